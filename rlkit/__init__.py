@@ -1,0 +1,45 @@
+"""rlkit: RL post-training of LLMs from a notebook, with real DP/TP/PP parallelism on Ray.
+
+Heavy libraries (torch, transformers, ray) load only when a part that needs them is touched,
+so `import rlkit` and the plan math stay fast.
+
+>>> import rlkit
+>>> rlkit.ParallelPlan(dp=4, tp=8, pp=16).world_size
+512
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from rlkit.errors import PlanError, RlkitError, WorkerError
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (imported on first access)
+_LAZY = {
+    "ParallelPlan": "rlkit.plan",
+    "ModelSpec": "rlkit.plan",
+    "search_plans": "rlkit.plan",
+    "recommend": "rlkit.plan",
+    "models": "rlkit.models",
+    "tasks": "rlkit.tasks",
+    "plan": "rlkit.plan",
+    "parallel": "rlkit.parallel",
+    "doctor": "rlkit.doctor",
+}
+
+__all__ = ["PlanError", "RlkitError", "WorkerError", "__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'rlkit' has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name])
+    value = module if module.__name__ == f"rlkit.{name}" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

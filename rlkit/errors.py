@@ -1,0 +1,31 @@
+"""The errors rlkit raises on purpose: each names the bad value and the fix."""
+
+from __future__ import annotations
+
+
+class RlkitError(Exception):
+    """Base class of rlkit's own errors."""
+
+
+class PlanError(RlkitError, ValueError):
+    """A ParallelPlan that cannot work: the message names the bad value and a fix.
+
+    >>> from rlkit import ParallelPlan
+    >>> ParallelPlan(tp=0)
+    Traceback (most recent call last):
+    ...
+    rlkit.errors.PlanError: tp=0 must be a positive integer; use tp=1 for no tensor parallelism
+    """
+
+
+class WorkerError(RlkitError, RuntimeError):
+    """A remote worker failed; carries its rank, node and the remote traceback."""
+
+    def __init__(self, message: str, *, rank: int | None = None, node: str | None = None,
+                 remote_traceback: str | None = None):
+        self.rank, self.node, self.remote_traceback = rank, node, remote_traceback
+        where = f"rank {rank}" + (f" on node {node}" if node else "") if rank is not None else "a worker"
+        full = f"{where} failed: {message}"
+        if remote_traceback:
+            full += "\n--- remote traceback ---\n" + remote_traceback.rstrip()
+        super().__init__(full)

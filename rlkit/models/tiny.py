@@ -1,0 +1,158 @@
+"""Tiny causal LMs of real HF architectures, built locally and saved like a hub checkpoint.
+
+No hub is needed: a byte-level BPE tokenizer (single-digit tokens, chat template, pad and eos) is
+trained on a small built-in corpus with ``tokenizers``, a Llama or Qwen2 model is built from a config
+with a seeded random init, and both are ``save_pretrained`` into a cache folder whose path is
+returned. Everything downstream loads it with ``from_pretrained(path)``, exactly as a real
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS = ["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Sizes by name: ~100k params for tests up to ~10M for demos (with the default 512-token vocab).
+SIZES: dict[str, dict[str, int]] = {
+    "test": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2),
+    "small": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "demo": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=8,
+                 num_key_value_heads=4),
+    "10m": dict(hidden_size=384, intermediate_size=1152, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4),
+}
+ARCHS = ("llama", "qwen2")
+
+
+def cache_dir() -> Path:
+    """Where built models live: ``$RLKIT_CACHE`` or ``~/.cache/rlkit``."""
+    return Path(os.environ.get("RLKIT_CACHE") or Path.home() / ".cache" / "rlkit")
+
+
+def _corpus() -> list[str]:
+    """Text the tokenizer learns from: letters, digits, punctuation, arithmetic, chat words."""
+    lines = [
+        "the quick brown fox jumps over the lazy dog",
+        "THE QUICK BROWN FOX JUMPS OVER THE LAZY DOG",
+        "reinforcement learning from verifiable rewards trains language models",
+        "what is the answer ? the answer is",
+        "user assistant system question answer reward policy value",
+        "0 1 2 3 4 5 6 7 8 9 + - * / = ( ) [ ] { } < > . , ; : ! ? ' \" # $ % & @ ^ _ ` | ~ \\",
+        "a b c d e f g h i j k l m n o p q r s t u v w x y z",
+    ]
+    lines += [f"{a}+{b}={a + b}" for a in range(0, 100, 7) for b in range(0, 100, 11)]
+    lines += [f"{a}*{b}={a * b}" for a in range(0, 20, 3) for b in range(0, 20, 4)]
+    return lines * 5
+
+
+def build_tokenizer(vocab_size: int = 512):
+    """A fast byte-level BPE tokenizer with single-digit tokens (so "17+25=42" splits into digits).
+
+    >>> tok = build_tokenizer()
+    >>> tok.decode(tok("17+25=42")["input_ids"])
+    '17+25=42'
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|endoftext|>",
+                                 bos_token="<|endoftext|>", unk_token=None)
+    hf.chat_template = CHAT_TEMPLATE
+    hf.padding_side = "left"  # generation pads prompts on the left
+    return hf
+
+
+def tiny_config(arch: str = "qwen2", size: str = "test", vocab_size: int = 512, **overrides: Any):
+    """The HF config of a tiny model (``arch`` in ``ARCHS``, ``size`` in ``SIZES``)."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch={arch!r} is not a tiny architecture; choose one of {list(ARCHS)}")
+    if size not in SIZES:
+        raise ValueError(f"size={size!r} is not a tiny size; choose one of {list(SIZES)}")
+    kwargs = dict(SIZES[size], vocab_size=vocab_size, max_position_embeddings=512, tie_word_embeddings=False,
+                  rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    kwargs.update(overrides)
+    cls = LlamaConfig if arch == "llama" else Qwen2Config
+    return cls(**kwargs)
+
+
+def tiny_lm(arch: str = "qwen2", size: str = "test", seed: int = 0, *, vocab_size: int = 512,
+            path: str | os.PathLike | None = None, **overrides: Any) -> str:
+    """Build (once) and save a tiny random-init causal LM with its tokenizer; return the folder.
+
+    The folder is keyed by the arguments, so the same call returns the same weights; building is
+    atomic (a temp folder renamed into place), so parallel ranks may call it at once.
+
+    >>> from transformers import AutoModelForCausalLM, AutoTokenizer
+    >>> path = tiny_lm("llama", size="test", seed=0)
+    >>> model = AutoModelForCausalLM.from_pretrained(path)
+    >>> AutoTokenizer.from_pretrained(path).decode([7]) != ""
+    True
+    """
+    cfg = tiny_config(arch, size, vocab_size, **overrides)
+    key = json.dumps({"arch": arch, "size": size, "seed": seed, "vocab": vocab_size, "over": overrides,
+                      "v": 1}, sort_keys=True, default=str)
+    name = f"tiny-{arch}-{size}-s{seed}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+    out = Path(path) if path is not None else cache_dir() / "models" / name
+    if (out / "config.json").exists() and (out / "tokenizer.json").exists():
+        return str(out)
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = build_tokenizer(vocab_size)
+    specials = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = (specials["<pad>"], specials["<|endoftext|>"],
+                                                            specials["<|endoftext|>"])
+    cfg.vocab_size = max(cfg.vocab_size, len(tok))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.generation_config.pad_token_id = cfg.pad_token_id
+    model.generation_config.eos_token_id = cfg.eos_token_id
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # someone else finished first, or out exists: keep theirs
+            if not (out / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+def load(path: str, dtype: Any = None, attn_implementation: str = "eager"):
+    """``(model, tokenizer)`` from a folder or hub id, as a user would load them."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32,
+                                                 attn_implementation=attn_implementation)
+    return model, AutoTokenizer.from_pretrained(path)
