@@ -27,6 +27,7 @@ _LAZY = {
     "plan": "rlkit.plan",
     "parallel": "rlkit.parallel",
     "doctor": "rlkit.doctor",
+    "algos": "rlkit.algos",
 }
 
 __all__ = ["PlanError", "RlkitError", "WorkerError", "__version__", *_LAZY]

@@ -1,0 +1,53 @@
+"""RL algorithms as small pure tensor functions: advantage estimators, losses, KL estimators.
+
+Tensors are [batch, response_len] with a ``response_mask`` (1 = real response token), as in verl and
+TRL. Nothing here knows about models, processes or Ray, so every piece is testable on tiny tensors.
+
+>>> import torch
+>>> from rlkit import algos
+>>> mask = torch.ones(4, 3)
+>>> adv, _ = algos.compute_advantages("grpo", torch.tensor([1., 0., 0., 1.]), mask, group_ids=[0, 0, 0, 0])
+>>> logprobs = torch.zeros(4, 3, requires_grad=True)
+>>> loss, metrics = algos.policy_loss(logprobs, torch.zeros(4, 3), adv, mask)
+>>> loss.backward(); logprobs.grad.shape
+torch.Size([4, 3])
+"""
+
+from rlkit.algos.advantages import (
+    ADVANTAGES,
+    compute_advantages,
+    drgrpo,
+    gae,
+    get_advantage,
+    grpo,
+    register_advantage,
+    reinforce_pp,
+    reinforce_pp_baseline,
+    rloo,
+)
+from rlkit.algos.kl import (
+    KL_KINDS,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    kl_loss,
+    kl_penalty,
+)
+from rlkit.algos.losses import (
+    AGG_MODES,
+    aggregate,
+    entropy_bonus,
+    entropy_from_logits,
+    policy_loss,
+    value_loss,
+)
+from rlkit.algos.masked import last_token_rewards, masked_mean, masked_sum, masked_whiten
+
+__all__ = [
+    "ADVANTAGES", "AGG_MODES", "KL_KINDS",
+    "register_advantage", "get_advantage", "compute_advantages",
+    "gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
+    "aggregate", "policy_loss", "value_loss", "entropy_from_logits", "entropy_bonus",
+    "kl_penalty", "kl_loss", "apply_kl_penalty", "FixedKLController", "AdaptiveKLController",
+    "masked_mean", "masked_sum", "masked_whiten", "last_token_rewards",
+]
