@@ -350,6 +350,81 @@ class ParallelPlan:
         if dim not in DIMS:
             raise PlanError(f"unknown dimension {dim!r}; choose one of {list(DIMS)}")
 
+    # ---- schedules and throughput (delegates) ------------------------------------------------
+    def pipeline(self, **kw: Any) -> pd.DataFrame:
+        """Timeline of one step of this plan's pipeline schedule (see ``rlkit.plan.schedule``).
+
+        >>> float(ParallelPlan(pp=4, micro_batches=8).pipeline().end.max())
+        33.0
+        """
+        from rlkit.plan.schedule import pipeline_timeline
+
+        return pipeline_timeline(self.pp, self.n_micro_batches, self.pipeline_schedule, self.vpp, **kw)
+
+    def bubble_fraction(self) -> float:
+        """Idle fraction of a step from pipeline fill and drain: (p-1) / (vpp*m + p-1).
+
+        >>> ParallelPlan(pp=4, micro_batches=8).bubble_fraction()
+        0.2727272727272727
+        """
+        from rlkit.plan.schedule import bubble_fraction
+
+        return bubble_fraction(self.pp, self.n_micro_batches, self.vpp)
+
+    def throughput(self, model: Any, **kw: Any) -> dict:
+        """Estimated training step time and tokens/s (see ``rlkit.plan.throughput.estimate_throughput``)."""
+        from rlkit.plan.throughput import estimate_throughput
+
+        return estimate_throughput(self, model, **kw)
+
+
+    # ---- views (delegates) -------------------------------------------------------------------
+    def show(self, model: Any = None, dim: str = "tp", cluster: Any = None) -> Any:
+        """The interactive rank grid (an ipywidgets widget): cells coloured by DP/TP/PP group, with
+        coordinates, node, layers (given a model) and group members on hover and click.
+
+        >>> view = ParallelPlan(dp=2, tp=2, pp=2).show(model="qwen2.5-7b", dim="pp")
+        >>> len(view.cells)
+        8
+        """
+        from rlkit.widgets.plan_view import PlanView
+
+        return PlanView(self, model=model, dim=dim, cluster=cluster)
+
+    def _repr_html_(self) -> str:
+        # static fallback (nbconvert, GitHub, no widget frontend): an HTML grid with inline styles
+        from rlkit.widgets.plan_view import plan_html
+
+        return plan_html(self)
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict:
+        # Jupyter: the widget, with the HTML grid in the same bundle as the fallback
+        from rlkit.widgets.plan_view import plan_mimebundle
+
+        return plan_mimebundle(self)
+
+
+    # ---- cost models (delegates) -------------------------------------------------------------
+    def memory(self, model: Any, **kw: Any) -> pd.DataFrame:
+        """Bytes per rank to train ``model`` on this plan (see ``rlkit.plan.memory.estimate_memory``).
+
+        >>> df = ParallelPlan(dp=8).memory("llama-2-7b", precision="bf16-mixed")
+        >>> int((df.weights + df.grads + df.optimizer)[0]) == 16 * 6_738_415_616 // 8
+        True
+        """
+        from rlkit.plan.memory import estimate_memory
+
+        return estimate_memory(self, model, **kw)
+
+    def communication(self, model: Any, **kw: Any) -> pd.DataFrame:
+        """Collectives per step of one rank (see ``rlkit.plan.comm.estimate_communication``).
+
+        >>> ParallelPlan(dp=2, tp=2).communication("qwen2.5-0.5b").dim.tolist()
+        ['dp', 'dp', 'tp']
+        """
+        from rlkit.plan.comm import estimate_communication
+
+        return estimate_communication(self, model, **kw)
 
 def _num_layers(model: Any) -> int:
     from rlkit.plan.spec import as_spec

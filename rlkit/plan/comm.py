@@ -1,0 +1,234 @@
+"""Communication per training step of a ParallelPlan: which collectives, how many bytes, how long.
+
+Pure Python (no torch import). Bandwidth-only: the time of a row is its bytes over the link's
+bandwidth, a lower bound that ignores latency and overlap with compute.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rlkit.errors import PlanError
+from rlkit.plan.memory import PRECISIONS, _layer_tensors, _pos_int, _root_tensors, _shard
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from rlkit.plan.topology import ParallelPlan
+
+# Per-GPU, per-direction bandwidth in bytes/s (peak figures from the vendors' specs; achieved
+# bus bandwidth in NCCL tests is typically 70-90% of these).
+BANDWIDTHS: dict[str, float] = {
+    # NVLink: NVIDIA H100 SXM datasheet, 900 GB/s bidirectional per GPU (18 NVLink4 links) = 450 GB/s
+    # each way; A100 SXM: 600 GB/s bidirectional (NVLink3); B200: 1.8 TB/s bidirectional (NVLink5).
+    "nvlink": 450e9, "nvlink4": 450e9, "nvlink3": 300e9, "nvlink5": 900e9,
+    # PCIe x16 per direction: 3.0 ~16 GB/s, 4.0 ~32 GB/s, 5.0 ~64 GB/s raw (PCI-SIG); ~12/25/50
+    # GB/s achieved for GPU peer-to-peer / host copies.
+    "pcie3": 12e9, "pcie4": 25e9, "pcie5": 50e9,
+    # InfiniBand per port (one NIC per GPU, as in DGX H100): NDR 400 Gb/s = 50 GB/s, HDR 200 Gb/s
+    # = 25 GB/s, EDR 100 Gb/s = 12.5 GB/s (NVIDIA ConnectX-7/6 specs).
+    "ib": 50e9, "ib-ndr": 50e9, "ib-hdr": 25e9, "ib-edr": 12.5e9,
+    # Ethernet / RoCE line rates: Gb/s / 8.
+    "400gbe": 50e9, "200gbe": 25e9, "100gbe": 12.5e9, "25gbe": 3.125e9, "10gbe": 1.25e9,
+}
+
+
+def bandwidth(value: Any, what: str = "bandwidth") -> float:
+    """Bytes/s from a preset name in ``BANDWIDTHS`` or a positive number.
+
+    >>> bandwidth("ib"), bandwidth(12.5e9)
+    (50000000000.0, 12500000000.0)
+    """
+    if isinstance(value, str):
+        key = value.lower()
+        if key not in BANDWIDTHS:
+            raise PlanError(f"{what}={value!r} is not a preset; choose one of {sorted(BANDWIDTHS)} or give bytes/s")
+        return BANDWIDTHS[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise PlanError(f"{what}={value!r} must be a preset name or a positive number of bytes/s")
+    return float(value)
+
+
+# per-rank bytes on the wire = message bytes x this factor (ring algorithms; Patarasuk & Yuan 2009,
+# "Bandwidth optimal all-reduce algorithms"; NCCL's "bus bandwidth" convention)
+def _ring_factor(collective: str, n: int) -> float:
+    if collective.startswith("all-reduce"):
+        return 2 * (n - 1) / n
+    if collective.startswith(("all-gather", "reduce-scatter")):
+        return (n - 1) / n
+    return 1.0  # point to point
+
+
+def _spans_nodes(groups: list[list[int]], per: int) -> bool:
+    return any(len({r // per for r in g}) > 1 for g in groups)
+
+
+def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micro_batch: int = 1,
+                           global_batch: int | None = None, precision: str = "bf16-mixed",
+                           devices_per_node: int | None = None, intra_node_bw: Any = "nvlink",
+                           inter_node_bw: Any = "ib", sequence_parallel: bool = False,
+                           activation_checkpointing: bool = False, vocab_parallel: bool = True,
+                           gathered_logits: bool = False, stage: int | None = None) -> pd.DataFrame:
+    """Collectives one rank runs per optimizer step: one row per (dim, collective).
+
+    Columns: ``dim, collective, group_size, calls_per_step, bytes_per_call`` (the collective's full
+    buffer: the all-reduce buffer, the all-gather output, the reduce-scatter input, the p2p
+    message; an average when calls differ), ``bytes_per_step`` (per rank, on the wire:
+    ``calls x bytes_per_call x f`` with ring factors f = 2(n-1)/n for all-reduce, (n-1)/n for
+    all-gather and reduce-scatter, 1 for send/recv), ``link`` ("intra" or "inter": does any group
+    of that kind span nodes of ``devices_per_node``), ``bandwidth`` (bytes/s), ``time_s`` (bytes /
+    bandwidth). ``df.attrs``: ``stage`` (the pipeline rank described), ``micro_batches``,
+    ``total_time_s``. Rows with a group of one rank are left out.
+
+    Micro-batches per step m: ``global_batch / (dp x micro_batch)`` when given, else
+    ``plan.n_micro_batches``. The rows describe one rank of pipeline rank ``stage`` (default: the
+    stage with the largest total time). Messages use the TP-local, FSDP-padded tensor sizes of
+    ``rlkit.plan.memory`` (layout of :func:`rlkit.plan.memory.estimate_memory`).
+
+    **DP** (FSDP2 units: each decoder layer + the stage root; all-gathers in the compute dtype, as
+    ``MixedPrecisionPolicy(param_dtype=bf16)`` casts before gathering; reductions in the grad dtype,
+    fp32 under "bf16-mixed" = ``reduce_dtype``): "full_shard"/"hybrid_shard" all-gather each
+    layer in forward and again in backward, the root once (FSDP2 keeps the root unsharded after
+    forward), in every micro-batch; "shard_grad_op" gathers each unit once per micro-batch. Grads
+    are reduced once per step, after the last micro-batch (rlkit.parallel sets
+    ``set_requires_gradient_sync(False)`` before it; ``torch.distributed.pipelining`` does the
+    same): every unit is reduce-scattered, and "hybrid_shard" also all-reduces the sharded grads
+    across the dp/dp_shard_size replicas; "replicate" all-reduces the grads (HSDP with shard
+    groups of one). With pp > 1 the pipelining schedule does not reshard after backward either,
+    so a layer is gathered in the first ``min(m, pp - stage)`` forwards (1F1B warm-up) and in
+    every backward, the root once per step.
+
+    **TP** (Megatron: Shoeybi et al. 2019, Sec. 3, the f/g operators): per decoder layer and
+    micro-batch 2 all-reduces in forward and 2 in backward (+2 when recomputing the forward with
+    ``activation_checkpointing``), each of ``micro_batch x seq_len x hidden x compute bytes``;
+    ``sequence_parallel`` replaces each by an all-gather plus a reduce-scatter of the same size
+    (Korthikanti et al. 2022, Sec. 4.2.2): same bytes. The vocab-parallel embedding adds a forward
+    all-reduce on the first stage and the column-parallel lm_head a backward one on the last;
+    ``gathered_logits`` adds an all-gather of ``micro_batch x seq_len x vocab x compute bytes``
+    (lm_head with ``output_layouts=Replicate()``, as ``rlkit.parallel`` does).
+
+    **PP** (send/recv between neighbouring stages, Narayanan et al. 2021): per micro-batch and per
+    virtual stage on this rank, activations ``micro_batch x seq_len x hidden x compute bytes``
+    forward (unless it is the last stage) and their gradient backward (unless it is the first).
+    """
+    from rlkit.plan.spec import as_spec
+    from rlkit.plan.topology import ParallelPlan
+
+    if not isinstance(plan, ParallelPlan):
+        raise PlanError(f"plan={plan!r} must be a ParallelPlan")
+    spec = as_spec(model)
+    plan.validate(model=spec)
+    s = _pos_int("seq_len", seq_len)
+    b = _pos_int("micro_batch", micro_batch)
+    if precision not in PRECISIONS:
+        raise PlanError(f"precision={precision!r} is unknown; choose one of {list(PRECISIONS)}")
+    if global_batch is not None:
+        _pos_int("global_batch", global_batch)
+        if global_batch % (plan.dp * b):
+            raise PlanError(f"global_batch={global_batch} is not divisible by dp*micro_batch={plan.dp}*{b}; "
+                            f"use a multiple of {plan.dp * b}")
+        m = global_batch // (plan.dp * b)
+        if plan.pp > 1 and m < plan.pp:
+            raise PlanError(f"global_batch={global_batch} gives {m} micro-batches per DP rank, fewer than "
+                            f"pp={plan.pp}; use global_batch >= {plan.dp * b * plan.pp}")
+    else:
+        m = plan.n_micro_batches
+    per = devices_per_node or plan.devices_per_node or plan.world_size
+    _pos_int("devices_per_node", per)
+    bw = {"intra": bandwidth(intra_node_bw, "intra_node_bw"), "inter": bandwidth(inter_node_bw, "inter_node_bw")}
+    if stage is not None and (isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < plan.pp):
+        raise PlanError(f"stage={stage!r} must be a pipeline rank in 0..{plan.pp - 1}")
+
+    prec = PRECISIONS[precision]
+    cb, gb = prec["compute"], prec["grad"]
+    tp, pp, S = plan.tp, plan.pp, plan.dp_shard_degree
+    R = plan.dp // S
+    act = b * s * spec.hidden_size * cb
+    layer_t = _layer_tensors(spec)
+    layers_per_rank = [0] * pp
+    for st, rng in enumerate(plan.stage_layers(spec.num_layers)):
+        layers_per_rank[st % pp] += len(rng)
+
+    links = _links(plan, per, S)
+
+    def rows_of(p: int) -> list[dict]:
+        L = layers_per_rank[p]
+        first, last = p == 0, p == pp - 1
+        out: list[tuple[str, str, int, int, int]] = []  # dim, collective, group, calls, total message bytes
+        # -- DP
+        if plan.dp > 1:
+            lay = _shard(layer_t, 1, tp, 0, S, 0)
+            root = _shard(_root_tensors(spec, pp, tp, p, "actor", vocab_parallel), 1, tp, 0, S, 0)
+            unit_full = {"layer": lay.padded * S, "root": root.padded * S}
+            units = {"layer": L, "root": 1 if root.tensors else 0}
+            syncs = 1  # grads reduced after the last micro-batch only
+            if pp > 1:
+                gathers = {"layer": 1 if plan.dp_shard == "shard_grad_op" else min(m, pp - p) + m, "root": 1}
+            else:
+                gathers = {"layer": (1 if plan.dp_shard == "shard_grad_op" else 2) * m, "root": m}
+            n_units = sum(units.values())
+            if S > 1:
+                out.append(("dp", "all-gather", S, sum(units[k] * gathers[k] for k in units),
+                            sum(units[k] * gathers[k] * unit_full[k] for k in units) * cb))
+                out.append(("dp", "reduce-scatter", S, n_units * syncs,
+                            sum(units[k] * unit_full[k] for k in units) * syncs * gb))
+            if R > 1:
+                out.append(("dp", "all-reduce", R, n_units * syncs,
+                            sum(units[k] * unit_full[k] for k in units) // S * syncs * gb))
+        # -- TP
+        if tp > 1:
+            calls = (4 + 2 * activation_checkpointing) * L * m + (m * first + m * last) * vocab_parallel
+            if sequence_parallel:
+                out.append(("tp", "all-gather", tp, calls, calls * act))
+                out.append(("tp", "reduce-scatter", tp, calls, calls * act))
+            else:
+                out.append(("tp", "all-reduce", tp, calls, calls * act))
+            if last and gathered_logits and vocab_parallel:
+                out.append(("tp", "all-gather (logits)", tp, m, m * b * s * spec.vocab_size * cb))
+        # -- PP
+        if pp > 1:
+            virt = [v for v in range(plan.n_stages) if v % pp == p]
+            fwd = sum(v < plan.n_stages - 1 for v in virt) * m
+            bwd = sum(v > 0 for v in virt) * m
+            if fwd:
+                out.append(("pp", "send/recv forward", 2, fwd, fwd * act))
+            if bwd:
+                out.append(("pp", "send/recv backward", 2, bwd, bwd * act))
+        rows = []
+        for dim, coll, n, calls, total in out:
+            link = links[(dim, coll.split(" ")[0])]
+            wire = int(round(total * _ring_factor(coll, n)))
+            rows.append(dict(dim=dim, collective=coll, group_size=n, calls_per_step=calls,
+                             bytes_per_call=total // calls, bytes_per_step=wire, link=link,
+                             bandwidth=bw[link], time_s=wire / bw[link]))
+        return rows
+
+    if stage is None:
+        stage = max(range(pp), key=lambda p: (sum(r["time_s"] for r in rows_of(p)), -p))
+    import pandas as pd
+
+    cols = ["dim", "collective", "group_size", "calls_per_step", "bytes_per_call", "bytes_per_step",
+            "link", "bandwidth", "time_s"]
+    df = pd.DataFrame(rows_of(stage), columns=cols)
+    df.attrs.update(model=spec.name, plan=plan.describe(), stage=stage, micro_batches=m, seq_len=s,
+                    micro_batch=b, precision=precision, devices_per_node=per,
+                    total_time_s=float(df["time_s"].sum()), total_bytes=int(df["bytes_per_step"].sum()))
+    return df
+
+
+def _links(plan: ParallelPlan, per: int, S: int) -> dict[tuple[str, str], str]:
+    """'intra' or 'inter' for each kind of group: inter when any such group spans nodes."""
+    def kind(groups):
+        return "inter" if _spans_nodes(groups, per) else "intra"
+
+    dp_groups = plan.groups("dp") if plan.dp > 1 else []
+    shard = [g[k:k + S] for g in dp_groups for k in range(0, len(g), S)]
+    replica = [g[i::S] for g in dp_groups for i in range(S)]
+    pp_groups = plan.groups("pp") if plan.pp > 1 else []
+    pairs = [[g[i], g[(i + 1) % len(g)]] for g in pp_groups
+             for i in range(len(g) if plan.vpp > 1 else len(g) - 1)]
+    tp_kind = kind(plan.groups("tp")) if plan.tp > 1 else "intra"
+    return {("dp", "all-gather"): kind(shard), ("dp", "reduce-scatter"): kind(shard),
+            ("dp", "all-reduce"): kind(replica if plan.dp_shard == "hybrid_shard" else dp_groups),
+            ("tp", "all-reduce"): tp_kind, ("tp", "all-gather"): tp_kind, ("tp", "reduce-scatter"): tp_kind,
+            ("pp", "send/recv"): kind(pairs)}

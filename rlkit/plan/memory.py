@@ -1,0 +1,563 @@
+"""Memory per rank of a ParallelPlan: model state, activations, logits and a colocated rollout engine.
+
+Pure Python (no torch import). One row per rank; ranks that hold the same bytes are computed once,
+so a 512-rank plan takes milliseconds.
+
+Every count below is in bytes. Parameter tensors are enumerated one by one (q/k/v/o, gate/up/down,
+biases, norms, embedding, lm_head) with the shape each rank holds after tensor parallelism and FSDP
+sharding, so the persistent counts (``weights``, ``grads``, ``optimizer``) are exact, padding
+included, for the torch layout described in :func:`estimate_memory`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rlkit.errors import PlanError
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from rlkit.plan.spec import ModelSpec
+    from rlkit.plan.topology import ParallelPlan
+
+# bytes per element of: parameters as stored (the optimizer's copy), gradients, optimizer state,
+# and the compute copy / activations
+PRECISIONS: dict[str, dict[str, int]] = {
+    "fp32": dict(param=4, grad=4, state=4, compute=4),
+    "bf16-mixed": dict(param=4, grad=4, state=4, compute=2),
+    "bf16": dict(param=2, grad=2, state=2, compute=2),
+}
+# optimizer state tensors per parameter tensor, each the parameter's shard size
+OPTIMIZERS: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0}
+ROLES = ("actor", "reference", "critic")
+DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2,
+               "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+COMPONENTS = ("weights", "grads", "optimizer", "param_buffers", "activations", "logits", "kv_cache",
+              "rollout_weights")
+_PERSISTENT = ("weights", "grads", "optimizer")
+_TRANSIENT = ("param_buffers", "activations", "logits")
+_ROLLOUT = ("rollout_weights", "kv_cache")
+
+
+# ---- small helpers --------------------------------------------------------------------------------
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: Any) -> int:
+    """Bytes from an int/float or a string: ``"80GB"`` = 80e9, ``"80GiB"`` = 80 * 2**30, ``"512 MiB"``.
+
+    >>> parse_bytes("80GB"), parse_bytes("1.5 GiB"), parse_bytes(1024)
+    (80000000000, 1610612736, 1024)
+    """
+    if isinstance(value, bool):
+        raise PlanError(f"device_memory={value!r} is not a size; pass bytes or a string like '80GB' or '80GiB'")
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or value <= 0:
+            raise PlanError(f"memory size {value!r} must be a positive number of bytes")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise PlanError(f"cannot read a memory size from {value!r}; use bytes or a string like '80GB' "
+                        f"(10**9) or '80GiB' (2**30); units: {', '.join(u for u in _UNITS if u)}")
+    n = float(m.group(1)) * _UNITS[unit]
+    if n <= 0:
+        raise PlanError(f"memory size {value!r} must be positive")
+    return int(round(n))
+
+
+def _pos_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"{name}={value!r} must be a positive integer")
+    return value
+
+
+def _chunk(n: int, parts: int, index: int) -> int:
+    """Length of piece ``index`` when ``n`` is split like ``torch.chunk``: pieces of ceil(n/parts),
+    the last ones shorter or empty (DTensor's uneven Shard and FSDP2's ``_chunk_with_empty``)."""
+    c = -(-n // parts)
+    return max(0, min(c, n - index * c))
+
+
+def _dtype_bytes(name: str, what: str) -> int:
+    if str(name).lower() not in DTYPE_BYTES:
+        raise PlanError(f"{what}={name!r} is not a dtype; choose one of {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[str(name).lower()]
+
+
+@dataclass(frozen=True)
+class RolloutMemory:
+    """A rollout engine (vLLM-style) colocated on the training devices.
+
+    Args:
+        tp: the engine's tensor-parallel size (consecutive ranks form one engine).
+        dtype: weight dtype of the engine ("bf16", "fp16", "fp32", "fp8").
+        kv_dtype: KV-cache dtype (default: ``dtype``).
+        max_tokens: KV cache sized for this many tokens per engine (e.g. max_num_seqs x max_model_len).
+        gpu_memory_utilization: or, as vLLM does, fill up to this fraction of ``device_memory`` with
+            the engine's weights and KV cache (needs ``device_memory``).
+        sleep: the engine frees weights and KV cache while training runs (vLLM sleep mode, verl's
+            ``free_cache_engine``): the peak is then the larger of the training and rollout phases.
+    """
+
+    tp: int = 1
+    dtype: str = "bf16"
+    gpu_memory_utilization: float | None = None
+    max_tokens: int | None = None
+    kv_dtype: str | None = None
+    sleep: bool = False
+
+    def __post_init__(self) -> None:
+        _pos_int("rollout tp", self.tp)
+        _dtype_bytes(self.dtype, "rollout dtype")
+        if self.kv_dtype is not None:
+            _dtype_bytes(self.kv_dtype, "rollout kv_dtype")
+        u = self.gpu_memory_utilization
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1):
+            raise PlanError(f"rollout gpu_memory_utilization={u!r} must be a fraction in (0, 1]")
+        if self.max_tokens is not None:
+            _pos_int("rollout max_tokens", self.max_tokens)
+        if (u is None) == (self.max_tokens is None):
+            raise PlanError("a rollout needs exactly one of max_tokens=N (KV cache for N tokens) or "
+                            "gpu_memory_utilization=F (fill F x device_memory, as vLLM does)")
+
+    @classmethod
+    def coerce(cls, value: Any) -> RolloutMemory | None:
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            try:
+                return cls(**value)
+            except TypeError as e:
+                raise PlanError(f"rollout={value!r}: {e}; fields are tp, dtype, kv_dtype, max_tokens, "
+                                f"gpu_memory_utilization, sleep") from None
+        raise PlanError(f"rollout={value!r} must be None, a dict or a RolloutMemory")
+
+
+# ---- the parameter tensors of each part, with their TP split ------------------------------------
+# (name, dim0, dim1, tp_dim): tp_dim 0 = ColwiseParallel (Shard(0)), 1 = RowwiseParallel (Shard(1)),
+# None = replicated over TP. 1-D tensors have dim1 = 1.
+def _layer_tensors(spec: ModelSpec) -> list[tuple[str, int, int, int | None]]:
+    h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
+    out = [("q_proj", q, h, 0), ("k_proj", kv, h, 0), ("v_proj", kv, h, 0), ("o_proj", h, q, 1),
+           ("gate_proj", i, h, 0), ("up_proj", i, h, 0), ("down_proj", h, i, 1),
+           ("input_layernorm", h, 1, None), ("post_attention_layernorm", h, 1, None)]
+    if spec.qkv_bias:
+        out += [("q_proj.bias", q, 1, 0), ("k_proj.bias", kv, 1, 0), ("v_proj.bias", kv, 1, 0)]
+    if spec.o_bias:
+        out.append(("o_proj.bias", h, 1, None))  # row-parallel bias: replicated, added after the reduce
+    if spec.mlp_bias:
+        out += [("gate_proj.bias", i, 1, 0), ("up_proj.bias", i, 1, 0), ("down_proj.bias", h, 1, None)]
+    return out
+
+
+def _root_tensors(spec: ModelSpec, pp: int, tp: int, pp_rank: int, role: str,
+                  vocab_parallel: bool) -> list[tuple[str, int, int, int | None]]:
+    """Parameters outside the decoder layers held by pipeline rank ``pp_rank`` of ``pp``: embedding
+    on the first stage; final norm and lm_head (or the critic's value head) on the last."""
+    vdim = 0 if vocab_parallel else None
+    h, v = spec.hidden_size, spec.vocab_size
+    out = []
+    if pp_rank == 0:
+        out.append(("embed_tokens", v, h, vdim))  # RowwiseParallel on an embedding shards the vocab
+    if pp_rank == pp - 1:
+        out.append(("norm", h, 1, None))
+        if role == "critic":
+            out += [("value_head", 1, h, None), ("value_head.bias", 1, 1, None)]
+        elif not spec.tie_word_embeddings or pp > 1 or (tp > 1 and vocab_parallel):
+            # untied lm_head; the last stage's own copy of a tied embedding (spec.stage_params); or
+            # a tie broken by TP: parallelize_module gives the Rowwise embedding and the Colwise
+            # lm_head each a new DTensor Parameter, so with tp > 1 a tied model holds both
+            out.append(("lm_head", v, h, vdim))
+    return out
+
+
+@dataclass
+class _Shard:
+    """Elements one rank holds for a list of tensors."""
+
+    padded: int = 0     # FSDP2 storage: ceil(dim0/S) rows per tensor (params, grads)
+    actual: int = 0     # this rank's real rows (optimizer states: zeros_like of the unpadded view)
+    local: int = 0      # the TP-local tensor before FSDP (unsharded compute copy)
+    tensors: int = 0
+
+
+def _shard(tensors, count: int, tp: int, t: int, S: int, j: int) -> _Shard:
+    out = _Shard()
+    for _name, d0, d1, tp_dim in tensors:
+        l0 = _chunk(d0, tp, t) if tp_dim == 0 else d0
+        l1 = _chunk(d1, tp, t) if tp_dim == 1 else d1
+        c = -(-l0 // S)
+        out.padded += count * c * l1
+        out.actual += count * _chunk(l0, S, j) * l1
+        out.local += count * l0 * l1
+        out.tensors += count
+    return out
+
+
+def _uneven(tensors, tp: int, S: int) -> tuple[bool, bool]:
+    """(TP split uneven anywhere, FSDP split uneven anywhere): ranks differ only when True."""
+    tp_uneven = any((d0 if td == 0 else d1) % tp for _, d0, d1, td in tensors if td is not None)
+    fs_uneven = any(_chunk(d0, tp, t) % S if td == 0 else d0 % S
+                    for _, d0, d1, td in tensors for t in range(tp if td == 0 else 1))
+    return tp_uneven, fs_uneven
+
+
+# ---- activations --------------------------------------------------------------------------------
+def _layer_activation_bytes(spec: ModelSpec, s: int, b: int, tp: int, act_bytes: int,
+                            sequence_parallel: bool, flash_attention: bool) -> int:
+    """Bytes one decoder layer saves for backward, for one micro-batch (Korthikanti et al. 2022)."""
+    h, a = spec.hidden_size, spec.num_attention_heads
+    scores = 0 if flash_attention else 5 * a * s * s * b
+    if sequence_parallel or tp == 1:
+        n = (34 * s * b * h + scores) // tp
+    else:
+        n = 10 * s * b * h + (24 * s * b * h + scores) // tp
+    return n * act_bytes // 2
+
+
+def _in_flight(plan: ParallelPlan, pp_rank: int) -> int:
+    """Micro-batch chunks whose activations pipeline rank ``pp_rank`` holds at its peak, in units of
+    one virtual stage (``layers_on_rank / vpp`` layers)."""
+    m, pp, v = plan.n_micro_batches, plan.pp, plan.vpp
+    if pp == 1:
+        return 1  # gradient accumulation runs micro-batches one after another
+    sched = plan.pipeline_schedule
+    if sched == "gpipe":
+        return m * v
+    if sched == "1f1b":
+        return min(pp - pp_rank, m)
+    # interleaved 1F1B: Megatron's warm-up (pp - r - 1) * 2 + (v - 1) * pp, plus one in steady state
+    return min((pp - pp_rank - 1) * 2 + (v - 1) * pp + 1, m * v)
+
+
+# ---- the estimate ---------------------------------------------------------------------------------
+def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micro_batch: int = 1,
+                    precision: str = "bf16-mixed", optimizer: str = "adamw",
+                    activation_checkpointing: bool = False, roles: tuple[str, ...] | list[str] = ("actor",),
+                    rollout: Any = None, device_memory: Any = None, sequence_parallel: bool = False,
+                    flash_attention: bool = False, vocab_parallel: bool = True,
+                    gathered_logits: bool = False, logits_copies: int = 2) -> pd.DataFrame:
+    """Bytes each rank of ``plan`` holds to train ``model``: one row per rank.
+
+    Columns (ints, bytes unless said): ``rank, dp, tp, pp, layers`` (decoder layers on the rank),
+    ``param_tensors`` (parameter tensors of the trained roles), ``weights, grads, optimizer,
+    param_buffers, activations, logits, kv_cache, rollout_weights, total``; with ``device_memory``
+    also ``fits`` (bool). ``df.attrs`` holds the settings (and ``device_memory``).
+
+    **Layout assumed** (what rlkit.parallel builds; torch-native): TP with DTensor
+    ``ColwiseParallel`` on q/k/v/gate/up (weight and bias Shard(0)), ``RowwiseParallel`` on o/down
+    (weight Shard(1), bias replicated), norms replicated; with ``vocab_parallel`` the embedding
+    (RowwiseParallel = vocab rows) and lm_head (ColwiseParallel) are split over the vocab, else
+    replicated (a tied embedding is then two tensors: ``parallelize_module`` gives the embedding and
+    the lm_head each a new Parameter). Uneven TP splits follow ``torch.chunk`` (pieces of ceil(n/tp)). DP with FSDP2
+    ``fully_shard`` on each decoder layer and on the stage root, over ``plan.dp_shard_degree``
+    ranks (HSDP: shard index = dp % dp_shard_size, as a (replicate, shard) mesh). PP: pipeline rank
+    r holds virtual stages r, r+pp, ...; the first stage also the embedding, the last the final
+    norm and lm_head; tied embeddings are one tensor when pp == 1 and a copy on the last stage when
+    pp > 1 (``ModelSpec.stage_params``).
+
+    **Persistent state** (Rajbhandari et al. 2019, "ZeRO", Sec. 3.1: mixed-precision Adam holds
+    2 + 2 + 12 = 16 bytes/param: fp16 params and grads, fp32 master, momentum, variance). Here, in
+    FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` form, per element:
+
+    ============  ======  =====  =========================  ==============
+    precision     weights grads  optimizer (adamw / sgd)    compute copy
+    ============  ======  =====  =========================  ==============
+    "fp32"        4       4      8 / 0                      (fp32)
+    "bf16-mixed"  4       4      8 / 0  -> 16 B/param total  2 (transient)
+    "bf16"        2       2      4 / 0                      (bf16)
+    ============  ======  =====  =========================  ==============
+
+    Sharding over ``S = plan.dp_shard_degree`` with torch's padding: for a tensor whose TP-local
+    shape is (d0, d1), a rank's parameter storage and its gradient (a view into the padded
+    reduce-scatter output) hold ``ceil(d0/S) * d1`` elements on *every* shard rank, while optimizer
+    states (``zeros_like`` of the unpadded view) hold that rank's real rows
+    ``min(ceil(d0/S), max(0, d0 - j*ceil(d0/S))) * d1`` (j = shard index). "replicate" is S = 1;
+    "shard_grad_op" (ZeRO-2 = FSDP2 ``reshard_after_forward=False``) persists the same shards as
+    "full_shard" and keeps the unsharded compute copy in ``param_buffers``.
+
+    ``param_buffers`` (transient, approximate): unsharded compute-dtype parameters alive at the
+    peak plus one layer's gradient reduce buffers. full/hybrid_shard: the stage root (embedding,
+    norm, lm_head; FSDP2 does not reshard the root after forward) + 2 decoder layers (current and
+    prefetched), plus one layer's unsharded grads in compute and reduce dtype. shard_grad_op: the
+    whole stage unsharded, plus one layer's grads. replicate: a compute copy of the stage only when
+    the compute dtype differs from the stored one (bf16-mixed). With several micro-batches grads are
+    reduced only after the last one (``set_requires_gradient_sync(False)`` before: rlkit.parallel
+    does so, and so does ``torch.distributed.pipelining``), so they accumulate unsharded: add
+    (unsharded - sharded) x grad bytes. With pp > 1 the pipelining schedule also calls
+    ``set_reshard_after_backward(False)``, so a stage keeps its whole unsharded compute copy (the
+    stage's TP-local params x compute bytes; for replicate only when bf16-mixed).
+
+    **Activations** (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    Transformer Models", Eq. 1-5), per decoder layer and micro-batch, for 16-bit activations
+    (scaled by compute bytes / 2), s = seq_len, b = micro_batch, h = hidden, a = heads, t = tp:
+    no TP ``sbh(34 + 5as/h)``; TP ``sbh(10 + 24/t + 5as/(ht))``; TP + sequence parallel
+    ``sbh(34/t + 5as/(ht))``. ``flash_attention=True`` drops the ``5as/h`` attention-score term
+    (same saving as the paper's selective recomputation). ``activation_checkpointing=True`` (full
+    recomputation) keeps only each layer's input, ``2sbh`` (``/t`` with SP), plus one layer's full
+    activations during its recomputation. The 34 is the paper's GPT accounting (4h MLP, dropout
+    masks); for gated-MLP models it is an approximation.
+
+    **Pipeline in-flight micro-batches** (held at the peak by pipeline rank r of pp, m micro-batches):
+    GPipe: all m (Huang et al. 2019); 1F1B: ``min(pp - r, m)`` (Narayanan et al. 2021 PipeDream-
+    Flush, Megatron's warm-up ``pp - r - 1`` + 1); interleaved 1F1B with v virtual stages:
+    ``min(2(pp - r - 1) + (v - 1)pp + 1, m*v)`` chunks of ``layers/v`` layers (Narayanan et al. 2021,
+    "Efficient Large-Scale Language Model Training on GPU Clusters", Sec. 2.2; Megatron's
+    ``get_forward_backward_func`` warm-up), i.e. ``pp(1 + (pp-1)/(pp v))`` micro-batches of a stage's
+    layers on the first rank (Korthikanti Sec. 4.2.3). pp = 1: one micro-batch at a time.
+
+    **Logits** (last stage, actor and reference): ``micro_batch x seq_len x vocab/tp x 4 bytes x
+    logits_copies``. The log-prob computation upcasts logits to fp32 and applies log-softmax,
+    whose output autograd saves; both fp32 buffers are alive at its peak, so ``logits_copies=2``
+    counts the upcast *and* the log-softmax copy (the 16-bit logits themselves are not counted).
+    GPipe keeps all m micro-batches' copies on the last stage. ``gathered_logits=True``: the lm_head
+    gathers the full vocabulary on every TP rank (``ColwiseParallel(output_layouts=Replicate())``,
+    as ``rlkit.parallel.apply.tp_plan`` does), so count ``vocab`` instead of ``vocab/tp``.
+
+    **RL roles** (``roles``, colocated): "actor" trains; "critic" trains too with a value head
+    (hidden -> 1, with bias, replicated) instead of lm_head and no logits; "reference" holds
+    weights only, in the compute dtype, sharded like the actor. Persistent state adds up over
+    roles; transient memory (param_buffers, activations, logits) is that of the role whose phase
+    peaks highest (roles run one after another).
+
+    **Rollout** (``rollout``: a :class:`RolloutMemory` or its dict): weights split over the
+    engine's tp (same tensor split, no DP sharding); KV cache per device, vLLM-style:
+    ``2 x layers x kv_heads x head_dim x kv_dtype_bytes / tp`` bytes per token
+    (``ModelSpec.kv_bytes_per_token``; KV heads are replicated when tp > kv_heads, as vLLM does)
+    times ``max_tokens``, or ``gpu_memory_utilization x device_memory - rollout_weights``.
+    ``total`` adds both to the training peak, or with ``sleep=True`` takes the larger phase.
+
+    **Torch comparison hook**: with ``precision="fp32", optimizer="adamw"`` the columns
+    ``weights``, ``grads``, ``optimizer`` equal the bytes of the unique storages a real FSDP2 +
+    DTensor TP + PP model with ``torch.optim.AdamW`` holds per rank after ``step()`` (grads not
+    yet zeroed), padding included as described above. AdamW's 0-dim ``step`` tensors (4 bytes per
+    parameter tensor, ``param_tensors`` of them) are *not* in ``optimizer``. Compare with
+    :func:`compare_memory`.
+    """
+    from rlkit.plan.spec import as_spec
+    from rlkit.plan.topology import ParallelPlan
+
+    if not isinstance(plan, ParallelPlan):
+        raise PlanError(f"plan={plan!r} must be a ParallelPlan")
+    spec = as_spec(model)
+    plan.validate(model=spec)
+    s = _pos_int("seq_len", seq_len)
+    b = _pos_int("micro_batch", micro_batch)
+    _pos_int("logits_copies", logits_copies)
+    if precision not in PRECISIONS:
+        raise PlanError(f"precision={precision!r} is unknown; choose one of {list(PRECISIONS)}")
+    if optimizer not in OPTIMIZERS:
+        raise PlanError(f"optimizer={optimizer!r} is unknown; choose one of {list(OPTIMIZERS)}")
+    roles = (roles,) if isinstance(roles, str) else tuple(roles)
+    bad = [r for r in roles if r not in ROLES]
+    if bad or not roles or len(set(roles)) != len(roles):
+        raise PlanError(f"roles={roles!r}: each must be one of {list(ROLES)}, once; e.g. roles=('actor', 'reference')")
+    ro = RolloutMemory.coerce(rollout)
+    mem = parse_bytes(device_memory) if device_memory is not None else None
+    if ro is not None:
+        if plan.world_size % ro.tp:
+            raise PlanError(f"rollout tp={ro.tp} does not divide world_size={plan.world_size}; choose a "
+                            f"rollout tp that divides it")
+        if spec.num_attention_heads % ro.tp:
+            raise PlanError(f"rollout tp={ro.tp} does not divide num_attention_heads={spec.num_attention_heads}")
+        if ro.gpu_memory_utilization is not None and mem is None:
+            raise PlanError("rollout gpu_memory_utilization needs device_memory (e.g. device_memory='80GB'), "
+                            "or give the rollout max_tokens instead")
+
+    prec = PRECISIONS[precision]
+    n_states = OPTIMIZERS[optimizer]
+    tp, pp, S = plan.tp, plan.pp, plan.dp_shard_degree
+    layer_t = _layer_tensors(spec)
+    layers_per_rank = [0] * pp
+    for st, rng in enumerate(plan.stage_layers(spec.num_layers)):
+        layers_per_rank[st % pp] += len(rng)
+    per_layer_act = _layer_activation_bytes(spec, s, b, tp, prec["compute"], sequence_parallel, flash_attention)
+    ckpt_layer = 2 * s * b * spec.hidden_size * prec["compute"] // 2 // (tp if sequence_parallel else 1)
+
+    def role_bytes(role: str, p: int, t: int, j: int) -> dict[str, int]:
+        root_t = _root_tensors(spec, pp, tp, p, role, vocab_parallel)
+        L = layers_per_rank[p]
+        lay = _shard(layer_t, L, tp, t, S, j)
+        root = _shard(root_t, 1, tp, t, S, j)
+        one_layer = _shard(layer_t, 1, tp, t, S, j)
+        padded, actual, local = lay.padded + root.padded, lay.actual + root.actual, lay.local + root.local
+        out = dict(weights=0, grads=0, optimizer=0, param_buffers=0, activations=0, logits=0, tensors=0)
+        cb = prec["compute"]
+        if role == "reference":
+            out["weights"] = padded * cb
+            out["param_buffers"] = (root.local + min(2, L) * one_layer.local) * cb if plan.dp_shard != "replicate" else 0
+        else:
+            out["weights"] = padded * prec["param"]
+            out["grads"] = padded * prec["grad"]
+            out["optimizer"] = n_states * actual * prec["state"]
+            out["tensors"] = lay.tensors + root.tensors
+            grad_buf = one_layer.local * (cb + prec["grad"])
+            # no grad sync until the last micro-batch: grads accumulate unsharded (beyond the
+            # sharded grads counted in ``grads``)
+            accum = (local - padded) * prec["grad"] if plan.n_micro_batches > 1 else 0
+            if pp > 1:
+                # torch.distributed.pipelining also skips the reshard after backward: the stage's
+                # params stay unsharded through the step
+                copy = cb != prec["param"] or plan.dp_shard != "replicate"
+                out["param_buffers"] = local * cb * copy + accum
+            elif plan.dp_shard == "replicate":
+                out["param_buffers"] = local * cb if cb != prec["param"] else 0
+            elif plan.dp_shard == "shard_grad_op":
+                out["param_buffers"] = local * cb + grad_buf + accum
+            else:
+                out["param_buffers"] = (root.local + min(2, L) * one_layer.local) * cb + grad_buf + accum
+            chunks = _in_flight(plan, p)
+            if activation_checkpointing:
+                out["activations"] = chunks * L * ckpt_layer // plan.vpp + (per_layer_act if L else 0)
+            else:
+                out["activations"] = chunks * L * per_layer_act // plan.vpp
+        if role != "critic" and p == pp - 1:
+            split = vocab_parallel and not gathered_logits
+            vocab_local = _chunk(spec.vocab_size, tp, t) if split else spec.vocab_size
+            held = plan.n_micro_batches if (pp > 1 and plan.pipeline_schedule == "gpipe" and role == "actor") else 1
+            out["logits"] = b * s * vocab_local * 4 * logits_copies * held
+        return out
+
+    def rollout_bytes(rt: int) -> dict[str, int]:
+        if ro is None:
+            return dict(rollout_weights=0, kv_cache=0)
+        wt = _shard(layer_t, spec.num_layers, ro.tp, rt, 1, 0).local
+        wt += _shard(_root_tensors(spec, 1, 1, 0, "actor", True), 1, ro.tp, rt, 1, 0).local
+        weights = wt * _dtype_bytes(ro.dtype, "rollout dtype")
+        kvb = _dtype_bytes(ro.kv_dtype or ro.dtype, "rollout kv_dtype")
+        kvh = spec.num_key_value_heads
+        per_tok = (spec.kv_bytes_per_token(kvb, ro.tp) if kvh % ro.tp == 0
+                   else 2 * spec.num_layers * -(-kvh // ro.tp) * spec.head_dim * kvb)
+        if ro.max_tokens is not None:
+            kv = ro.max_tokens * per_tok
+        else:
+            kv = max(0, int(ro.gpu_memory_utilization * mem) - weights)
+        return dict(rollout_weights=weights, kv_cache=kv)
+
+    # ranks differ only by pp rank, by tp index where a TP split is uneven, by shard index where an
+    # FSDP split is uneven, and by rollout-tp index where the rollout split is uneven
+    all_t = layer_t + [x for p in {0, pp - 1} for r in roles
+                       for x in _root_tensors(spec, pp, tp, p, r, vocab_parallel)]
+    tp_uneven, fs_uneven = _uneven(all_t, tp, S)
+    ro_uneven = ro is not None and _uneven(all_t, ro.tp, 1)[0]
+
+    cache: dict[tuple, dict[str, int]] = {}
+
+    def rank_bytes(p: int, t: int, j: int, rt: int) -> dict[str, int]:
+        key = (p, t, j, rt)
+        if key in cache:
+            return cache[key]
+        per_role = {r: role_bytes(r, p, t, j) for r in roles}
+        row = {c: sum(v[c] for v in per_role.values()) for c in (*_PERSISTENT, "tensors")}
+        peak_role = max(roles, key=lambda r: sum(per_role[r][c] for c in _TRANSIENT))
+        row.update({c: per_role[peak_role][c] for c in _TRANSIENT})
+        row.update(rollout_bytes(rt))
+        persistent = sum(row[c] for c in _PERSISTENT)
+        transient = sum(row[c] for c in _TRANSIENT)
+        rolled = sum(row[c] for c in _ROLLOUT)
+        row["total"] = persistent + (max(transient, rolled) if ro is not None and ro.sleep else transient + rolled)
+        cache[key] = row
+        return row
+
+    stride = _strides(plan)
+    rows = []
+    for rank in range(plan.world_size):
+        d, t, p = ((rank // stride[k]) % getattr(plan, k) for k in ("dp", "tp", "pp"))
+        r = rank_bytes(p, t if tp_uneven else 0, (d % S) if fs_uneven else 0,
+                       (rank % ro.tp) if ro_uneven else 0)
+        rows.append((rank, d, t, p, layers_per_rank[p], r["tensors"], *(r[c] for c in COMPONENTS[:3]),
+                     *(r[c] for c in COMPONENTS[3:]), r["total"]))
+    import pandas as pd
+
+    df = pd.DataFrame(rows, columns=["rank", "dp", "tp", "pp", "layers", "param_tensors", *COMPONENTS, "total"])
+    if mem is not None:
+        df["fits"] = df["total"] <= mem
+        df.attrs["device_memory"] = mem
+    df.attrs.update(model=spec.name, plan=plan.describe(), seq_len=s, micro_batch=b, precision=precision,
+                    optimizer=optimizer, roles=roles, activation_checkpointing=activation_checkpointing,
+                    rollout=ro, sequence_parallel=sequence_parallel, flash_attention=flash_attention,
+                    vocab_parallel=vocab_parallel, gathered_logits=gathered_logits,
+                    logits_copies=logits_copies)
+    return df
+
+
+def _strides(plan: ParallelPlan) -> dict[str, int]:
+    """Rank stride of each dim in the plan's order (fastest first)."""
+    out, stride = {}, 1
+    for dim in plan.order.split("-"):
+        dim = dim.strip()
+        out[dim] = stride
+        stride *= getattr(plan, dim)
+    return out
+
+
+# ---- reading the result ---------------------------------------------------------------------------
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+_ADVICE = {
+    "weights": "shard model state over more ranks (dp_shard='full_shard', larger dp/tp/pp)",
+    "grads": "shard grads (dp_shard='shard_grad_op' or 'full_shard') or raise tp/pp",
+    "optimizer": "shard optimizer state (dp_shard='full_shard' over more ranks) or raise tp/pp",
+    "param_buffers": "use dp_shard='full_shard' instead of keeping unsharded copies",
+    "activations": "turn on activation_checkpointing, lower micro_batch/seq_len, or raise tp (with sequence_parallel)",
+    "logits": "lower micro_batch or seq_len, or raise tp (vocab-parallel logits)",
+    "kv_cache": "lower the rollout's max_tokens or gpu_memory_utilization",
+    "rollout_weights": "raise the rollout tp or use rollout sleep=True",
+}
+
+
+def explain_fit(df: pd.DataFrame) -> str:
+    """One paragraph: which rank is largest, whether it fits ``df.attrs['device_memory']``, and
+    which component dominates (with a hint what to change) when it does not."""
+    if df.empty:
+        return "no ranks"
+    top = df.loc[df["total"].idxmax()]
+    where = f"rank {int(top['rank'])} (dp={int(top['dp'])}, tp={int(top['tp'])}, pp={int(top['pp'])})"
+    parts = sorted(((c, int(top[c])) for c in COMPONENTS if c in df), key=lambda kv: -kv[1])
+    total = int(top["total"])
+    breakdown = ", ".join(f"{c} {_gib(v)} ({100 * v / total:.0f}%)" for c, v in parts[:3] if v)
+    mem = df.attrs.get("device_memory")
+    if mem is None:
+        return f"The largest rank is {where} at {_gib(total)}: {breakdown}. Pass device_memory to check the fit."
+    bad = int((df["total"] > mem).sum())
+    if not bad:
+        return (f"All {len(df)} ranks fit in {_gib(mem)}; the largest is {where} at {_gib(total)} "
+                f"({100 * total / mem:.0f}%): {breakdown}.")
+    comp, _ = parts[0]
+    return (f"{bad} of {len(df)} ranks do not fit in {_gib(mem)}. The largest is {where} at {_gib(total)}, "
+            f"{_gib(total - mem)} over: {breakdown}. {comp} dominates; {_ADVICE[comp]}.")
+
+
+def compare_memory(estimate_df: pd.DataFrame, measured_df: pd.DataFrame) -> pd.DataFrame:
+    """Side by side per rank: for each byte column in both frames, ``<col>_estimate``,
+    ``<col>_measured`` and ``<col>_rel_err`` = (estimate - measured) / measured (0 when both are 0).
+
+    ``measured_df`` needs a ``rank`` column and any of the component columns (``weights``, ``grads``,
+    ``optimizer``, ``activations``, ``total``...). For the persistent columns, measure unique
+    storages (``untyped_storage().nbytes()`` deduplicated by ``data_ptr``) of the local tensors of
+    parameters, their ``.grad`` and the optimizer's ``exp_avg``/``exp_avg_sq`` (skip ``step``).
+    """
+    import numpy as np
+    import pandas as pd
+
+    if "rank" not in measured_df or "rank" not in estimate_df:
+        raise PlanError("compare_memory needs a 'rank' column in both frames")
+    cols = [c for c in (*COMPONENTS, "total") if c in estimate_df and c in measured_df]
+    if not cols:
+        raise PlanError(f"measured_df shares no byte column with the estimate; name columns like {list(COMPONENTS)}")
+    m = estimate_df[["rank", *cols]].merge(measured_df[["rank", *cols]], on="rank", suffixes=("_estimate", "_measured"))
+    out = pd.DataFrame({"rank": m["rank"]})
+    for c in cols:
+        e, r = m[f"{c}_estimate"].astype(float), m[f"{c}_measured"].astype(float)
+        out[f"{c}_estimate"], out[f"{c}_measured"] = m[f"{c}_estimate"], m[f"{c}_measured"]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out[f"{c}_rel_err"] = np.where(r == 0, np.where(e == 0, 0.0, np.inf), (e - r) / r)
+    return out

@@ -1,0 +1,415 @@
+"""Plan search: every DP x TP x PP layout of a model on N GPUs, sized and ranked; and a recommendation.
+
+``search_plans`` enumerates (dp, tp, pp, vpp, dp_shard, micro_batches) with dp * tp * pp == gpus,
+keeps the ones ``ParallelPlan`` rejects with the reason in ``why_not``, and for the rest adds the
+peak memory per GPU (``estimate_memory``, max over ranks) and the estimated tokens/s
+(``estimate_throughput``). ``recommend`` picks one for a goal and says why, in numbers.
+
+>>> df = search_plans("qwen2.5-7b", gpus=8, gpu_memory="80GB", seq_len=4096)
+>>> top = df.iloc[0]
+>>> bool(top.fits), int(top.dp * top.tp * top.pp)
+(True, 8)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rlkit.errors import PlanError
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from rlkit.plan.topology import ParallelPlan
+
+GOALS = ("throughput", "convergence", "cost")
+GIB = 2**30
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _shardings(dp: int, tp: int, gpus_per_node: int, wanted: tuple[str, ...]) -> list[tuple[str, int | None]]:
+    """(dp_shard, dp_shard_size) options for a DP degree. With dp == 1 they are all the same layout,
+    so one is kept. HSDP shards inside a node (the fast links) and replicates across nodes."""
+    if dp == 1:
+        return [("full_shard", None)]
+    out = []
+    for mode in wanted:
+        if mode == "hybrid_shard":
+            size = max([d for d in _divisors(dp) if d * tp <= gpus_per_node] or [1])
+            if 1 < size < dp:
+                out.append((mode, size))
+        else:
+            out.append((mode, None))
+    return out
+
+
+def _micro_batch_options(n_mb: int, pp: int, vpp: int) -> list[int]:
+    """Micro-batches per pipeline flush: with pp == 1 a micro-batch at a time (gradient accumulation);
+    otherwise pp, 2pp, 4pp, ... dividing the micro-batches per DP rank, plus all of them in one flush."""
+    if pp == 1:
+        return [1]
+    out, m = [], pp
+    while m <= n_mb:
+        if n_mb % m == 0:
+            out.append(m)
+        m *= 2
+    if n_mb >= pp and (vpp == 1 or n_mb % pp == 0):  # interleaving needs whole rounds of pp
+        out.append(n_mb)
+    return sorted(set(out))
+
+
+def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any = "80GB", *, seq_len: int = 4096,
+                 global_batch: int | None = None, micro_batch: int = 1, precision: str = "bf16-mixed",
+                 optimizer: str = "adamw", shardings: tuple[str, ...] | None = None, include_vpp: bool = True,
+                 activation_checkpointing: bool = False, gpu: str | dict = "H100", network: str = "nvlink+ib",
+                 mfu: float = 0.4, roles: tuple[str, ...] = ("actor",), flash_attention: bool = True,
+                 sequence_parallel: bool = False) -> pd.DataFrame:
+    """Every DP x TP x PP plan of ``model`` on ``gpus`` GPUs, ranked best first.
+
+    Args:
+        model: anything ``as_spec`` takes. gpus: GPUs in all. gpus_per_node: GPUs per node.
+        gpu_memory: memory per GPU ("80GB", "141GB", bytes).
+        seq_len, micro_batch: tokens per sequence and sequences per micro-batch.
+        global_batch: sequences per step, the same for every plan so they compare at equal work
+            (default 4 x gpus x micro_batch).
+        shardings: dp_shard modes to try (default all of ``SHARDING``).
+        include_vpp: also try interleaved 1F1B with 2 and 4 virtual stages (when layers split evenly).
+        gpu, network, mfu: for the throughput estimate (``rlkit.plan.throughput``).
+        flash_attention, sequence_parallel, activation_checkpointing, precision, optimizer, roles: for
+            the memory estimate (``rlkit.plan.memory.estimate_memory``); flash attention is on by default
+            since GPU training stacks use it (no s^2 attention scores kept).
+
+    Returns one row per candidate: ``dp, tp, pp, vpp, dp_shard, dp_shard_size, micro_batches,
+    schedule, valid, memory_gib`` (max over ranks), ``fits, tokens_per_s, tokens_per_s_per_gpu,
+    step_s, bubble, achieved_mfu, tp_spans_nodes, why_not`` (empty when usable) and ``plan`` (the
+    ParallelPlan). Usable plans come first, fastest first; then plans that do not fit, smallest
+    first; then invalid ones.
+    """
+    import pandas as pd
+
+    from rlkit.plan.memory import estimate_memory, parse_bytes
+    from rlkit.plan.spec import as_spec
+    from rlkit.plan.throughput import estimate_throughput, gpu_info, network_info
+    from rlkit.plan.topology import SHARDING, ParallelPlan
+
+    spec = as_spec(model)
+    for name, value in (("gpus", gpus), ("gpus_per_node", gpus_per_node), ("micro_batch", micro_batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{name}={value!r} must be a positive integer")
+    mem = parse_bytes(gpu_memory)
+    gpu_info(gpu), network_info(network)  # fail early on a bad preset name
+    wanted = tuple(shardings) if shardings is not None else tuple(SHARDING)
+    bad = [s for s in wanted if s not in SHARDING]
+    if bad:
+        raise PlanError(f"shardings={bad} are not dp_shard modes; choose from {list(SHARDING)}")
+    if global_batch is None:
+        global_batch = 4 * gpus * micro_batch
+    per_node = min(gpus_per_node, gpus)
+
+    rows: list[dict] = []
+    memory_cache: dict[tuple, tuple[int, bool]] = {}
+    for tp in _divisors(gpus):
+        for pp in _divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            vpps = [1] + ([v for v in (2, 4) if spec.num_layers % (pp * v) == 0] if include_vpp and pp > 1 else [])
+            for vpp in vpps:
+                n_mb, rest = divmod(global_batch, dp * micro_batch)
+                base = dict(dp=dp, tp=tp, pp=pp, vpp=vpp)
+                if rest:
+                    rows.append({**base, "why_not": f"global_batch={global_batch} is not divisible by "
+                                                    f"dp*micro_batch={dp * micro_batch}"})
+                    continue
+                options = _micro_batch_options(n_mb, pp, vpp)
+                if not options:
+                    rows.append({**base, "why_not": f"{n_mb} micro-batches per DP rank < pp={pp}; the pipeline "
+                                                    f"cannot fill (raise global_batch)"})
+                    continue
+                try:  # the model-shape rules do not depend on sharding or micro-batches: check once
+                    ParallelPlan(dp=dp, tp=tp, pp=pp, vpp=vpp, micro_batches=options[0]).validate(model=spec)
+                except PlanError as e:
+                    rows.append({**base, "why_not": str(e)})
+                    continue
+                for shard, size in _shardings(dp, tp, per_node, wanted):
+                    for m in options:
+                        row = {**base, "dp_shard": shard, "dp_shard_size": size, "micro_batches": m}
+                        rows.append(row)
+                        plan = ParallelPlan(dp=dp, tp=tp, pp=pp, vpp=vpp, dp_shard=shard, dp_shard_size=size,
+                                            micro_batches=m if pp > 1 else None, devices_per_node=per_node)
+                        row.update(plan=plan, schedule=plan.pipeline_schedule if pp > 1 else "none",
+                                   tp_spans_nodes=bool(plan.placement_warnings(per_node)))
+                        # activations in flight stop growing once m >= 2 pp (1F1B / interleaved)
+                        key = (dp, tp, pp, vpp, shard, size, min(m, 2 * pp))
+                        if key not in memory_cache:
+                            mdf = estimate_memory(plan, spec, seq_len=seq_len, micro_batch=micro_batch,
+                                                  precision=precision, optimizer=optimizer, roles=roles,
+                                                  activation_checkpointing=activation_checkpointing,
+                                                  flash_attention=flash_attention,
+                                                  sequence_parallel=sequence_parallel, device_memory=mem)
+                            memory_cache[key] = (int(mdf["total"].max()), bool(mdf["fits"].all()))
+                        peak, fits = memory_cache[key]
+                        est = estimate_throughput(plan, spec, seq_len=seq_len, global_batch=global_batch,
+                                                  micro_batch=micro_batch, gpu=gpu, mfu=mfu, network=network,
+                                                  devices_per_node=per_node, precision=precision,
+                                                  activation_checkpointing=activation_checkpointing)
+                        row.update(memory_gib=peak / GIB, fits=fits,
+                                   **{k: est[k] for k in ("tokens_per_s", "tokens_per_s_per_gpu", "step_s",
+                                                          "bubble", "achieved_mfu")})
+                        if not fits:
+                            row["why_not"] = f"needs {peak / GIB:.1f} GiB per GPU > {mem / GIB:.1f} GiB"
+    df = pd.DataFrame(rows)
+    columns = ["dp", "tp", "pp", "vpp", "dp_shard", "dp_shard_size", "micro_batches", "schedule", "valid",
+               "memory_gib", "fits", "tokens_per_s", "tokens_per_s_per_gpu", "step_s", "bubble", "achieved_mfu",
+               "tp_spans_nodes", "why_not", "plan"]
+    for c in columns:
+        if c not in df:
+            df[c] = None
+    df["valid"] = df["plan"].notna()
+    df["fits"] = df["fits"].fillna(False).astype(bool)
+    df["why_not"] = df["why_not"].fillna("")
+    df["dp_shard_size"] = df["dp_shard_size"].astype("Int64")
+    df["micro_batches"] = df["micro_batches"].astype("Int64")
+    usable = df["valid"] & df["fits"]
+    df["_group"] = (~usable).astype(int) + (~df["valid"]).astype(int)
+    df["_speed"] = -df["tokens_per_s"].astype(float).fillna(0)
+    df = df.sort_values(["_group", "_speed", "memory_gib"], kind="stable")
+    df = df.drop(columns=["_group", "_speed"])[columns].reset_index(drop=True)
+    df.attrs.update(model=spec.name, gpus=gpus, gpus_per_node=gpus_per_node, gpu_memory=mem, seq_len=seq_len,
+                    global_batch=global_batch, micro_batch=micro_batch, gpu=gpu, network=network)
+    return df
+
+
+def plot_plans(df: pd.DataFrame, ax: Any = None) -> Any:
+    """Memory per GPU vs tokens/s of each valid plan; fitting plans filled, the rest hollow, the
+    device memory as a dashed line and the best plan labelled.
+
+    >>> ax = plot_plans(search_plans("qwen2.5-7b", gpus=8))   # doctest: +SKIP
+    """
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7, 4.5))
+    ok = df[df["valid"]]
+    fit, over = ok[ok["fits"]], ok[~ok["fits"]]
+    ax.scatter(fit["memory_gib"], fit["tokens_per_s"], c="tab:green", label=f"fits ({len(fit)})", s=22)
+    ax.scatter(over["memory_gib"], over["tokens_per_s"], facecolors="none", edgecolors="tab:red",
+               label=f"does not fit ({len(over)})", s=22)
+    mem = df.attrs.get("gpu_memory")
+    if mem:
+        ax.axvline(mem / GIB, color="grey", ls="--", lw=1)
+    if len(fit):
+        best = fit.iloc[0]
+        ax.annotate(_short(best), (best["memory_gib"], best["tokens_per_s"]), textcoords="offset points",
+                    xytext=(6, 6), fontsize=8)
+    ax.set_xlabel("memory per GPU (GiB, max over ranks)")
+    ax.set_ylabel("estimated tokens/s")
+    ax.set_title(f"{df.attrs.get('model', '')} on {df.attrs.get('gpus', '?')} GPUs")
+    ax.legend(fontsize=8)
+    return ax
+
+
+def _short(row: Any) -> str:
+    s = f"dp={row['dp']} tp={row['tp']} pp={row['pp']}"
+    if row["vpp"] > 1:
+        s += f" vpp={row['vpp']}"
+    return s + f" {row['dp_shard']}"
+
+
+# ---- recommend ------------------------------------------------------------------------------------
+_SHOW = ["dp", "tp", "pp", "vpp", "dp_shard", "micro_batches", "memory_gib", "tokens_per_s", "bubble", "why_not"]
+
+
+@dataclass
+class Recommendation:
+    """The plan ``recommend`` picked, why (in words and numbers), and the alternatives it weighed.
+
+    >>> rec = recommend("qwen2.5-0.5b", gpus=8)
+    >>> (rec.plan.dp, rec.plan.tp, rec.plan.pp)
+    (8, 1, 1)
+    >>> print(rec)                        # doctest: +ELLIPSIS
+    dp=8 x tp=1 x pp=1 = 8 ranks; ...
+    """
+
+    plan: ParallelPlan
+    reason: str
+    table: pd.DataFrame
+    goal: str = "throughput"
+    estimate: dict | None = None
+
+    def __str__(self) -> str:
+        alt = self.table[[c for c in _SHOW if c in self.table]].head(6)
+        return f"{self.reason}\n\nAlternatives (best first):\n{alt.to_string(float_format=lambda x: f'{x:,.3g}')}"
+
+    def _repr_html_(self) -> str:
+        import html
+
+        alt = self.table[[c for c in _SHOW if c in self.table]].head(10)
+        paragraphs = "".join(f"<p>{html.escape(p)}</p>" for p in self.reason.split("\n") if p.strip())
+        return f"<div>{paragraphs}<p><b>Alternatives</b></p>{alt.to_html(float_format=lambda x: f'{x:,.3g}')}</div>"
+
+
+def _fmt_rate(x: float) -> str:
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k" if x >= 1e3 else f"{x:.0f}"
+
+
+def _state_bytes_per_param(precision: str, optimizer: str) -> int:
+    """Persistent bytes per parameter: weights + grads + optimizer states (ZeRO paper, sec. 3.1)."""
+    from rlkit.plan.memory import OPTIMIZERS, PRECISIONS
+
+    p = PRECISIONS[precision]
+    return p["param"] + p["grad"] + OPTIMIZERS[optimizer] * p["state"]
+
+
+def _no_fit_error(spec: Any, df: pd.DataFrame, gpus: int, per_bytes: int, precision: str, optimizer: str) -> PlanError:
+    valid = df[df["valid"]]
+    state = spec.num_params * _state_bytes_per_param(precision, optimizer)
+    need = -(-state // per_bytes)
+    if len(valid):
+        small = valid.sort_values("memory_gib").iloc[0]
+        best = f"the smallest plan ({_short(small)}) needs {small['memory_gib']:.1f} GiB per GPU"
+    else:
+        best = f"no layout is even valid ({df['why_not'].iloc[0]})"
+    return PlanError(
+        f"no plan of {spec.name} ({spec.num_params / 1e9:.1f}B params) fits on {gpus} GPUs with "
+        f"{per_bytes / GIB:.1f} GiB each: {best}. Its training state alone is {state / GIB:.0f} GiB "
+        f"({_state_bytes_per_param(precision, optimizer)} bytes/param with {precision} {optimizer}), so at least "
+        f"{need} GPUs before activations; add GPUs, use larger-memory GPUs, set activation_checkpointing=True, "
+        f"or lower seq_len / micro_batch")
+
+
+def recommend(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any = "80GB",
+              network: str = "nvlink+ib", goal: str = "throughput", **search_kw: Any) -> Recommendation:
+    """Pick a plan for ``model`` on ``gpus`` GPUs and explain the choice with its numbers.
+
+    The selection guide the numbers usually confirm:
+
+    * a model whose training state fits on one GPU: pure data parallelism (one gradient all-reduce a
+      step, no per-layer collectives, no pipeline bubble);
+    * weights that do not fit: tensor parallelism inside a node (up to 8, over NVLink), since TP
+      all-reduces activations in every layer;
+    * still too big, or a slow network between nodes: pipeline parallelism across nodes (it sends only
+      activations at stage boundaries), with enough micro-batches to keep the bubble small;
+    * optimizer states dominate (12 of the 16 bytes/param of mixed-precision Adam): ZeRO-3 / FSDP
+      shards them over DP.
+
+    Goals: "throughput" takes the fastest plan that fits; "convergence" the smallest DP degree (smaller
+    global batch) among plans within 2x of the fastest; "cost" the fewest GPUs (up to ``gpus``) on
+    which some plan fits, then the fastest there.
+
+    Raises ``PlanError`` with the numbers when no plan fits. ``search_kw`` go to ``search_plans``.
+
+    >>> rec = recommend("llama-2-70b", gpus=64)
+    >>> rec.plan.tp > 1 and rec.plan.tp <= 8
+    True
+    """
+    from rlkit.plan.memory import parse_bytes
+    from rlkit.plan.spec import as_spec
+    from rlkit.plan.throughput import network_info
+
+    if goal not in GOALS:
+        raise PlanError(f"goal={goal!r} is not a goal; choose one of {list(GOALS)}")
+    spec = as_spec(model)
+    net = network_info(network)
+    per_bytes = parse_bytes(gpu_memory)
+    precision = search_kw.get("precision", "bf16-mixed")
+    optimizer = search_kw.get("optimizer", "adamw")
+    micro_batch = search_kw.get("micro_batch", 1)
+    search_kw.setdefault("global_batch", 4 * gpus * micro_batch)  # the same work for every GPU count
+
+    def search(n: int) -> pd.DataFrame:
+        return search_plans(spec, n, gpus_per_node, gpu_memory, network=network, **search_kw)
+
+    tried: list[int] = []
+    if goal == "cost":
+        counts = sorted({n for n in (1, 2, 4, 8) if n <= min(gpus_per_node, gpus)}
+                        | set(range(gpus_per_node, gpus + 1, gpus_per_node)) | {gpus})
+        for n in counts:
+            df, n_used = search(n), n
+            tried.append(n)
+            if (df["valid"] & df["fits"]).any():
+                break
+    else:
+        df, n_used = search(gpus), gpus
+    usable = df[df["valid"] & df["fits"]]
+    if usable.empty:
+        raise _no_fit_error(spec, df, gpus, per_bytes, precision, optimizer)
+
+    pick = usable.iloc[0]
+    if goal == "convergence":
+        close = usable[usable["tokens_per_s"] >= 0.5 * pick["tokens_per_s"]]
+        pick = close.sort_values(["dp", "tokens_per_s"], ascending=[True, False], kind="stable").iloc[0]
+    plan = pick["plan"]
+    gib = per_bytes / GIB
+    lines = [
+        f"{plan.describe()}. For {spec.name} ({spec.num_params / 1e9:.2f}B params) on {n_used} x {per_bytes / 1e9:.0f} GB "
+        f"GPUs ({network}), goal '{goal}': estimated {_fmt_rate(pick['tokens_per_s'])} tokens/s "
+        f"({_fmt_rate(pick['tokens_per_s_per_gpu'])}/GPU, {pick['achieved_mfu']:.0%} MFU), "
+        f"{pick['memory_gib']:.1f} GiB per GPU of {gib:.1f}, pipeline bubble {pick['bubble']:.1%}."]
+    lines += _why_shape(spec, df, pick, plan, gib, net, precision, optimizer)
+    if goal == "convergence":
+        gb = plan.dp * micro_batch * (plan.n_micro_batches if plan.pp > 1 else 1)
+        lines.append(f"Goal 'convergence': of the {len(close)} plans within 2x of the fastest, this one has the "
+                     f"smallest DP degree (dp={plan.dp}), so the global batch can be as small as {gb} sequences "
+                     f"per step; pure throughput would pick {_short(usable.iloc[0])} at "
+                     f"{_fmt_rate(usable.iloc[0]['tokens_per_s'])} tokens/s.")
+    if goal == "cost":
+        lines.append(f"Goal 'cost': {n_used} GPUs is the fewest on which a plan fits (tried {tried}); with all "
+                     f"{gpus} GPUs the fastest plan would run more tokens/s at a higher price.")
+    others = usable[usable.index != pick.name]
+    if len(others):
+        nxt = others.iloc[0]
+        lines.append(f"Next best: {_short(nxt)} at {_fmt_rate(nxt['tokens_per_s'])} tokens/s, "
+                     f"{nxt['memory_gib']:.1f} GiB per GPU. {len(usable)} of {len(df)} candidates fit; "
+                     f"{int((~df['valid']).sum())} are invalid (see the why_not column).")
+    return Recommendation(plan=plan, reason="\n".join(lines), table=df, goal=goal, estimate=pick.to_dict())
+
+
+def _why_shape(spec: Any, df: pd.DataFrame, pick: Any, plan: Any, gib: float, net: dict, precision: str,
+               optimizer: str) -> list[str]:
+    """The selection guide, applied to this pick, citing the numbers that decided it."""
+    out = []
+    pure = df[df["valid"] & (df["tp"] == 1) & (df["pp"] == 1)].sort_values("memory_gib")
+    state_gib = spec.num_params * _state_bytes_per_param(precision, optimizer) / GIB
+    if plan.tp == 1 and plan.pp == 1:
+        out.append(f"The model fits with data parallelism alone ({pick['memory_gib']:.1f} GiB per GPU), so "
+                   f"pure DP: one gradient reduction per step, no per-layer collectives, no pipeline bubble.")
+    else:
+        if len(pure) and not pure.iloc[0]["fits"]:
+            out.append(f"Pure DP does not fit: even fully sharded it needs {pure.iloc[0]['memory_gib']:.1f} GiB "
+                       f"per GPU (> {gib:.1f}).")
+        elif len(pure):
+            best_pure = pure[pure["fits"]].sort_values("tokens_per_s", ascending=False).iloc[0]
+            out.append(f"Pure DP fits ({best_pure['memory_gib']:.1f} GiB) but is estimated slower "
+                       f"({_fmt_rate(best_pure['tokens_per_s'])} tokens/s).")
+        if plan.tp > 1:
+            where = "inside one node, over NVLink" if not pick["tp_spans_nodes"] else "ACROSS nodes (slow)"
+            out.append(f"TP={plan.tp} splits every layer's weights and activations {where}; TP all-reduces "
+                       f"activations in every layer, so it belongs on the fastest links "
+                       f"({net['intra_node_bw'] / 1e9:.0f} GB/s here).")
+        if plan.pp > 1:
+            out.append(f"PP={plan.pp} splits the {spec.num_layers} layers into stages, which can sit on different "
+                       f"nodes: only activations cross a stage boundary ({net['inter_node_bw'] / 1e9:.1f} GB/s "
+                       f"between nodes here). {plan.pipeline_schedule} with {plan.n_micro_batches} micro-batches"
+                       + (f" and {plan.vpp} virtual stages" if plan.vpp > 1 else "")
+                       + f" leaves a {pick['bubble']:.1%} bubble.")
+    if plan.dp > 1:
+        same = df[df["valid"] & (df["dp"] == plan.dp) & (df["tp"] == plan.tp) & (df["pp"] == plan.pp)
+                  & (df["vpp"] == plan.vpp) & (df["micro_batches"] == pick["micro_batches"])]
+        rep = same[same["dp_shard"] == "replicate"]
+        rep_txt = ""
+        if len(rep):
+            rep_txt = f"; replicated (DDP) it would take {rep.iloc[0]['memory_gib']:.1f} GiB per GPU"
+            rep_txt += "" if rep.iloc[0]["fits"] else f", over the {gib:.1f} GiB"
+        if plan.dp_shard != "replicate":
+            zero = "ZeRO-2" if plan.dp_shard == "shard_grad_op" else "ZeRO-3/FSDP"
+            out.append(f"DP={plan.dp} with {plan.dp_shard} ({zero}): the training state is {state_gib:.1f} GiB "
+                       f"in all ({_state_bytes_per_param(precision, optimizer)} bytes/param, most of it "
+                       f"{optimizer} state), sharded over {plan.dp_shard_degree} ranks: {pick['memory_gib']:.1f} "
+                       f"GiB per GPU{rep_txt}.")
+        else:
+            out.append(f"DP={plan.dp} replicates the model (DDP): the state fits ({pick['memory_gib']:.1f} GiB per "
+                       f"GPU), and replication avoids FSDP's weight all-gathers.")
+    return out

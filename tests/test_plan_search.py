@@ -1,0 +1,138 @@
+"""Throughput estimate, plan search and recommend: rankings that must come out right, numbers that
+follow from the stated formulas, and clear errors."""
+
+import time
+
+import pytest
+
+from rlkit.errors import PlanError
+from rlkit.plan import GPUS, ParallelPlan, as_spec, estimate_generation
+from rlkit.plan.search import recommend, search_plans
+
+# the training-step model needs the communication estimate (rlkit/plan/comm.py)
+pytest.importorskip("rlkit.plan.comm")
+
+
+# ---- generation (decode) throughput: bytes read per token / HBM bandwidth --------------------------
+def test_generation_is_memory_bound_and_matches_formula():
+    spec = as_spec("qwen2.5-7b")
+    r = estimate_generation(spec, gpu="H100", batch=1, prompt_len=512, response_len=512)
+    kv = (512 + 256) * spec.kv_bytes_per_token(2)
+    expected = 1 / ((spec.num_params * 2 + kv) / (GPUS["H100"]["hbm_bw"] * 0.8))
+    assert r["bound"] == "memory"
+    assert r["tokens_per_s"] == pytest.approx(expected, rel=1e-9)
+    assert 150 < r["tokens_per_s"] < 200  # ~15 GB of weights per token at ~2.7 TB/s
+    # batching reuses each weight read: far more tokens/s; TP halves the bytes each GPU reads
+    assert estimate_generation(spec, batch=64)["tokens_per_s"] > 20 * r["tokens_per_s"]
+    assert estimate_generation(spec, batch=1, tp=2)["weight_bytes_per_gpu"] == pytest.approx(r["weight_bytes_per_gpu"] / 2)
+    assert estimate_generation(spec, gpu="H200", batch=1)["tokens_per_s"] > r["tokens_per_s"]  # 4.8 vs 3.35 TB/s
+
+
+# ---- training throughput --------------------------------------------------------------------------
+def test_compute_term_is_6n_flops_at_peak_times_mfu():
+    plan = ParallelPlan(dp=8)
+    r = plan.throughput("qwen2.5-7b", seq_len=4096, global_batch=64, gpu="H100", mfu=0.5)
+    spec = as_spec("qwen2.5-7b")
+    assert r["flops_per_token"] == 3 * spec.flops_per_token(4096)
+    assert r["compute_s"] == pytest.approx(64 * 4096 * r["flops_per_token"] / (8 * 989e12 * 0.5), rel=1e-12)
+    assert r["bubble"] == 0 and r["step_s"] >= r["compute_s"]
+    assert r["achieved_mfu"] <= 0.5
+    ckpt = plan.throughput("qwen2.5-7b", seq_len=4096, global_batch=64, activation_checkpointing=True)
+    assert ckpt["flops_per_token"] == 4 * spec.flops_per_token(4096)  # recompute: 8N instead of 6N
+
+
+def test_tp_across_nodes_ranks_below_tp_inside_node():
+    kw = dict(seq_len=4096, global_batch=512, gpu="H100")
+    inside = ParallelPlan(dp=8, tp=8, devices_per_node=8)
+    # same degrees, but dp fastest: each TP group strides over 8 nodes
+    across = ParallelPlan(dp=8, tp=8, order="dp-tp-pp", devices_per_node=8)
+    assert across.placement_warnings() and not inside.placement_warnings()
+    fast, slow = inside.throughput("llama-2-70b", **kw), across.throughput("llama-2-70b", **kw)
+    assert slow["tp_comm_s"] > 2 * fast["tp_comm_s"]
+    assert slow["tokens_per_s"] < fast["tokens_per_s"]
+
+
+def test_more_micro_batches_shrink_the_bubble():
+    kw = dict(seq_len=4096, global_batch=256)
+    few = ParallelPlan(dp=2, tp=8, pp=4, micro_batches=4, devices_per_node=8).throughput("llama-2-70b", **kw)
+    many = ParallelPlan(dp=2, tp=8, pp=4, micro_batches=32, devices_per_node=8).throughput("llama-2-70b", **kw)
+    assert few["bubble"] == pytest.approx(3 / 7) and many["bubble"] == pytest.approx(3 / 35)
+    assert many["tokens_per_s"] > few["tokens_per_s"]
+
+
+def test_throughput_bad_inputs():
+    plan = ParallelPlan(dp=8)
+    with pytest.raises(PlanError, match="gpu='V100X'"):
+        plan.throughput("qwen2.5-7b", gpu="V100X")
+    with pytest.raises(PlanError, match="mfu=1.5"):
+        plan.throughput("qwen2.5-7b", mfu=1.5)
+    with pytest.raises(PlanError, match="global batch=12 is not divisible by dp=8"):
+        plan.throughput("qwen2.5-7b", global_batch=12)
+
+
+# ---- search -------------------------------------------------------------------------------------------
+def test_search_72b_on_64_gpus_is_fast_complete_and_ranked():
+    t0 = time.perf_counter()
+    df = search_plans("qwen2.5-72b", gpus=64, gpu_memory="80GB", seq_len=4096)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 10, f"search took {elapsed:.1f}s"  # a few seconds on one laptop core
+    valid = df[df.valid]
+    assert len(valid) > 100 and ((valid.dp * valid.tp * valid.pp) == 64).all()
+    # tp must divide the 8 KV heads: tp=16/32/64 kept, with the reason
+    bad = df[~df.valid]
+    assert set(bad.tp) >= {16, 32, 64} and bad.why_not.str.contains("num_key_value_heads=8").all()
+    usable = df[df.valid & df.fits]
+    assert len(usable) > 0 and (usable.memory_gib <= 80e9 / 2**30).all()
+    assert df.iloc[: len(usable)].index.tolist() == usable.index.tolist()  # usable first
+    assert usable.tokens_per_s.is_monotonic_decreasing
+    assert (df[df.valid & ~df.fits].why_not.str.contains("GiB per GPU")).all()
+
+
+def test_search_global_batch_sets_micro_batches():
+    df = search_plans("qwen2.5-7b", gpus=8, global_batch=64)
+    one_flush = df[df.valid & (df.pp == 2) & (df.vpp == 1) & (df.dp == 4)]
+    # 64 sequences / dp=4 = 16 micro-batches per DP rank: flushes of 2, 4, 8, 16
+    assert sorted(one_flush.micro_batches.unique()) == [2, 4, 8, 16]
+
+
+def test_plot_plans():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from rlkit.plan import plot_plans
+
+    df = search_plans("qwen2.5-7b", gpus=8)
+    ax = plot_plans(df)
+    assert sum(len(c.get_offsets()) for c in ax.collections) == int(df.valid.sum())
+
+
+# ---- recommend ----------------------------------------------------------------------------------------
+def test_small_model_gets_pure_dp():
+    rec = recommend("qwen2.5-0.5b", gpus=8, gpu_memory="80GB")
+    assert (rec.plan.dp, rec.plan.tp, rec.plan.pp) == (8, 1, 1)
+    assert "pure DP" in rec.reason and "tokens/s" in rec.reason and "GiB per GPU" in rec.reason
+    assert "Alternatives" in str(rec) and "<table" in rec._repr_html_()
+
+
+def test_70b_gets_tp_inside_a_node():
+    rec = recommend("llama-2-70b", gpus=64, gpus_per_node=8, gpu_memory="80GB")
+    assert 1 < rec.plan.tp <= 8 and not rec.plan.placement_warnings(8)
+    assert f"TP={rec.plan.tp}" in rec.reason and "Pure DP does not fit" in rec.reason
+
+
+def test_goals():
+    fast = recommend("qwen2.5-7b", gpus=64)
+    cheap = recommend("qwen2.5-7b", gpus=64, goal="cost")
+    assert cheap.plan.world_size < 64 and "fewest" in cheap.reason
+    conv = recommend("qwen2.5-7b", gpus=64, goal="convergence")
+    assert conv.plan.dp <= fast.plan.dp and "smallest DP degree" in conv.reason
+    assert fast.plan.world_size == 64
+    with pytest.raises(PlanError, match="goal='speed'"):
+        recommend("qwen2.5-7b", gpus=8, goal="speed")
+
+
+def test_model_that_fits_nowhere_says_why():
+    df = search_plans("qwen2.5-72b", gpus=2)
+    assert not df.fits.any()
+    with pytest.raises(PlanError, match=r"no plan of qwen2.5-72b .* fits on 2 GPUs.*at least \d+ GPUs"):
+        recommend("qwen2.5-72b", gpus=2, gpu_memory="80GB")
