@@ -1,0 +1,256 @@
+"""Equivalence check: a ParallelPlan against the single-process HF model, on every rank.
+
+Each rank also runs the unsplit reference model (tiny models only) on the same global batch and
+compares: per-token log-probs / entropy (or values), the loss of a PPO-style clipped objective,
+every gradient, the weights after several clipped AdamW steps, the full-weight gather (loaded
+strict into a fresh HF model), and optionally save -> load -> continue. Used by
+``python -m rlkit.parallel`` and the tests.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from rlkit.parallel.model import ParallelModel, full, load_hf
+from rlkit.parallel.stage import position_ids_from_mask
+from rlkit.plan.topology import ParallelPlan
+
+
+def make_batch(n: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A padded RL-like batch: prompts (some left-padded) + responses (some right-padded)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (n, seq_len), generator=g)
+    am = torch.ones(n, seq_len, dtype=torch.long)
+    prompt = seq_len // 2
+    resp = torch.zeros(n, seq_len, dtype=torch.long)
+    for i in range(n):
+        left, right = (i % 3), (i * 2) % 4          # a few pads on either side, varying by row
+        am[i, :left] = 0
+        am[i, seq_len - right:] = 0
+        resp[i, prompt:seq_len - right] = 1
+    ids = ids.masked_fill(am == 0, 0)
+    return {"input_ids": ids, "attention_mask": am, "response_mask": resp,
+            "advantages": torch.randn(n, generator=g), "returns": torch.randn(n, seq_len, generator=g)}
+
+
+def ppo_loss(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor], clip: float = 0.2,
+             entropy_coef: float = 0.01) -> torch.Tensor:
+    """Token-mean PPO clipped surrogate minus an entropy bonus (the shape RL code passes in)."""
+    mask = mb["response_mask"].float()
+    ratio = torch.exp(out["logprobs"] - mb["old_logprobs"])
+    adv = mb["advantages"][:, None]
+    pg = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    denom = mask.sum().clamp(min=1)
+    return (pg * mask).sum() / denom - entropy_coef * (out["entropy"] * mask).sum() / denom
+
+
+def value_loss(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
+    mask = mb["response_mask"].float()
+    return ((out["values"] - mb["returns"]) ** 2 * mask).sum() / mask.sum().clamp(min=1)
+
+
+def reference_forward(hf: nn.Module, value_head: nn.Module | None, batch: dict[str, torch.Tensor]):
+    """The plain HF model's outputs, computed the textbook way (full logits, HF's own masks)."""
+    ids, am = batch["input_ids"], batch["attention_mask"]
+    pos = position_ids_from_mask(am)
+    if value_head is not None:
+        h = hf.model(input_ids=ids, attention_mask=am, position_ids=pos).last_hidden_state
+        return {"values": value_head(h).squeeze(-1).float()}
+    logits = hf(input_ids=ids, attention_mask=am, position_ids=pos).logits.float()
+    logp = logits[:, :-1].log_softmax(-1)
+    lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    zero = torch.zeros(ids.shape[0], 1)
+    return {"logprobs": torch.cat([zero, lp], 1), "entropy": torch.cat([zero, ent], 1)}
+
+
+def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 16, micro_batch_size: int = 1,
+              head: str = "lm", lr: float = 1e-3, max_grad_norm: float = 1.0, ckpt_dir: str | None = None,
+              seed: int = 0, fail_rank: int | None = None, activation_checkpointing: bool = False) -> dict[str, Any]:
+    """Run the plan and the reference side by side; returns the report (complete on rank 0)."""
+    rank = dist.get_rank()
+    ref = load_hf(model)
+    # eps=1e-6: Adam divides by sqrt(v) + eps, so with 1e-8 a 1e-10 difference in a near-zero
+    # gradient (reduction order) moves a weight by ~1e-2 * lr; 1e-6 keeps the comparison tight.
+    opt = dict(lr=lr, weight_decay=0.01, eps=1e-6, activation_checkpointing=activation_checkpointing)
+    pm = ParallelModel(model, plan, head=head, max_grad_norm=max_grad_norm, seed=seed, **opt)
+    if fail_rank is not None and rank == fail_rank:
+        raise RuntimeError(f"injected failure on rank {rank} (--fail-rank)")
+    ref_vh = None
+    if head == "value":  # the same seeded init ParallelModel uses
+        g = torch.Generator().manual_seed(seed)
+        ref_vh = nn.Linear(ref.config.hidden_size, 1)
+        with torch.no_grad():
+            ref_vh.weight.normal_(0.0, getattr(ref.config, "initializer_range", 0.02), generator=g)
+            ref_vh.bias.zero_()
+    ref_named = dict(ref.named_parameters())
+    if ref_vh is not None:  # the critic trades lm_head for the value head
+        del ref_named["lm_head.weight"]
+        ref_named |= {f"value_head.{k}": v for k, v in ref_vh.named_parameters()}
+    ref_params = list(ref_named.values())
+    ref_opt = torch.optim.AdamW(ref_params, lr=lr, weight_decay=0.01, eps=1e-6, foreach=False)
+    loss_fn = value_loss if head == "value" else ppo_loss
+    m = plan.n_micro_batches
+
+    n = plan.dp * m * micro_batch_size
+    batches = []
+    for s in range(steps):
+        b = make_batch(n, seq_len, ref.config.vocab_size, seed=seed + s)
+        with torch.no_grad():  # old log-probs: the reference's, slightly perturbed (ratio != 1)
+            old = reference_forward(ref, None, b)["logprobs"] if head == "lm" else None
+        if old is not None:
+            b["old_logprobs"] = old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(s))
+        batches.append(b)
+
+    def ref_step(b, do_step=True):
+        chunks = [c for d in _chunks(b, plan.dp) for c in _chunks(d, m)]  # same micro-batches as the plan
+        loss = sum(loss_fn(reference_forward(ref, ref_vh, c), c) for c in chunks) / len(chunks)
+        loss.backward()
+        if do_step:
+            torch.nn.utils.clip_grad_norm_(ref_params, max_grad_norm)
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    report: dict[str, Any] = {"plan": plan.describe(), "world_size": plan.world_size, "head": head}
+    mine = pm.shard_batch(batches[0])
+    # 1. forward-only outputs on valid positions (token t and its predecessor are real tokens)
+    with torch.no_grad():
+        ref_out = reference_forward(ref, ref_vh, mine)
+    got = pm.logprobs(mine["input_ids"], mine["attention_mask"])
+    am = mine["attention_mask"].bool()
+    valid = am & torch.cat([torch.zeros_like(am[:, :1]), am[:, :-1]], 1)
+    if head == "value":
+        valid = am
+    diffs = {k: _max(((got[k] - ref_out[k]).abs() * valid).max()) for k in got}
+
+    # 2. loss and gradients of one step
+    loss = pm.forward_backward(mine, loss_fn)
+    ref_loss = ref_step(batches[0], do_step=False)
+    gdiff = 0.0
+    for name, p in pm.named_parameters():
+        g = full(p.grad)
+        gdiff = max(gdiff, (g - ref_named[name].grad).abs().max().item())
+    gdiff = _max(torch.tensor(gdiff))
+    gnorm = pm.grad_norm()
+    ref_gnorm = torch.nn.utils.get_total_norm([p.grad for p in ref_params]).item()
+    pm.optimizer_step()
+    torch.nn.utils.clip_grad_norm_(ref_params, max_grad_norm)
+    ref_opt.step()
+    ref_opt.zero_grad(set_to_none=True)
+
+    # 3. optionally checkpoint here, then the remaining steps
+    ckpt = None
+    if ckpt_dir is not None:
+        ckpt = pm.save(f"{ckpt_dir}/step{pm.step}")
+    times, losses = [], [loss]
+    for b in batches[1:]:
+        t0 = time.perf_counter()
+        out = pm.train_step(pm.shard_batch(b), loss_fn)
+        times.append(time.perf_counter() - t0)
+        losses.append(out["loss"])
+        ref_step(b)
+
+    # 4. full weights out: compare to the reference after `steps` steps; load strict into fresh HF
+    sd = pm.full_state_dict(to=0)
+    transfer = dict(pm.last_transfer)
+    report.update(
+        loss=loss, ref_loss=ref_loss, losses=losses,
+        max_dlogprob=diffs.get("logprobs", diffs.get("values")), max_dentropy=diffs.get("entropy", 0.0),
+        max_dgrad=gdiff, grad_norm=gnorm, ref_grad_norm=ref_gnorm,
+        step_time_s=sum(times) / len(times) if times else None,
+        gather_bytes_rank0=transfer["bytes"], gather_seconds=transfer["seconds"],
+    )
+    if rank == 0:
+        ref_sd = {k: v.detach() for k, v in ref_named.items()}
+        report["max_dweight"] = max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd)
+        report["n_full_weights"] = len(sd)
+        fresh = load_hf(model)
+        if head == "value":
+            report["strict_load"] = sorted(sd) == sorted(ref_sd)
+        else:
+            fresh.load_state_dict(sd, strict=True)
+            report["strict_load"] = True
+            b = batches[0]
+            with torch.no_grad():
+                a = reference_forward(fresh, None, b)["logprobs"]
+                r = reference_forward(ref, None, b)["logprobs"]
+            report["max_dlogprob_gathered_model"] = (a - r).abs().max().item()
+
+    # 5. save -> load into a fresh ParallelModel -> continue == uninterrupted run
+    if ckpt is not None:
+        pm2 = ParallelModel(model, plan, head=head, max_grad_norm=max_grad_norm, seed=seed, mesh=pm.mesh, **opt)
+        pm2.load(ckpt)
+        resumed_step = pm2.step
+        for b in batches[1:]:
+            pm2.train_step(pm2.shard_batch(b), loss_fn)
+        sd2 = pm2.full_state_dict(to=0)
+        if rank == 0:
+            report["resume_step"] = resumed_step
+            report["resume_max_dweight"] = max((sd2[k] - sd[k]).abs().max().item() for k in sd)
+        del pm2
+
+    # 6. memory per rank, measured
+    mem = pm.memory(mine)
+    report["memory"] = mem.to_dict(orient="records")
+    report["memory_compare"] = compare_with_estimate(mem, plan, pm.config, seq_len, micro_batch_size, head,
+                                                     activation_checkpointing)
+    return report
+
+
+def compare_with_estimate(measured, plan: ParallelPlan, config, seq_len: int, micro_batch: int,
+                          head: str = "lm", activation_checkpointing: bool = False) -> list[dict] | None:
+    """Measured bytes vs ``rlkit.plan.memory.estimate_memory`` (fp32 AdamW, gathered logits) per
+    rank: ``<col>_estimate``, ``<col>_measured``, ``<col>_rel_err``. The estimate splits saved
+    activations into ``activations`` and ``logits``; measured activations hold both."""
+    try:
+        from rlkit.plan.memory import compare_memory, estimate_memory
+    except ImportError:
+        return None
+    est = estimate_memory(plan, config, seq_len=seq_len, micro_batch=micro_batch, precision="fp32",
+                          optimizer="adamw", roles=("critic",) if head == "value" else ("actor",),
+                          gathered_logits=True, activation_checkpointing=activation_checkpointing)
+    est = est.assign(activations=est["activations"] + est["logits"])
+    cols = ["rank", "weights", "grads", "optimizer", "activations"]
+    return compare_memory(est[cols], measured[cols]).to_dict(orient="records")
+
+
+def _chunks(b: dict[str, torch.Tensor], k: int):
+    n = b["input_ids"].shape[0] // k
+    return [{key: v[i * n:(i + 1) * n] for key, v in b.items()} for i in range(k)]
+
+
+def _max(t: torch.Tensor) -> float:
+    t = t.detach().float().clone()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    v = t.item()
+    return v if math.isfinite(v) else float("inf")
+
+
+def format_report(rep: dict[str, Any]) -> str:
+    """The check's report as a small text table (what ``python -m rlkit.parallel`` prints)."""
+    keys = ["plan", "loss", "ref_loss", "max_dlogprob", "max_dentropy", "max_dgrad", "max_dweight",
+            "max_dlogprob_gathered_model", "strict_load", "resume_max_dweight", "step_time_s",
+            "gather_bytes_rank0", "gather_seconds"]
+    lines = [f"{k:<28} {_fmt(rep[k])}" for k in keys if k in rep]
+    if "memory" in rep:
+        import pandas as pd
+
+        mem = pd.DataFrame(rep["memory"]).set_index("rank") / 2**20
+        lines += ["", "memory per rank, measured (MiB)", mem.round(3).to_string()]
+    if rep.get("memory_compare"):
+        cmp = pd.DataFrame(rep["memory_compare"]).set_index("rank")
+        errs = cmp[[c for c in cmp if c.endswith("_rel_err")]]
+        lines += ["", "estimate vs measured, relative error", errs.round(3).to_string()]
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3e}" if isinstance(v, float) else str(v)
+

@@ -1,0 +1,524 @@
+"""ParallelModel: one rank's share of an HF causal LM laid out by a ParallelPlan.
+
+Operations RL needs, the same under any plan (dp / tp / pp / 2D / 3D):
+  * ``logprobs(input_ids, attention_mask)`` -> per-token log-probs and entropy (actor, reference)
+  * ``values(...)`` with ``head="value"`` (critic: a scalar head on the last hidden state)
+  * ``train_step(batch, loss_fn)`` = forward + loss + backward over micro-batches + clip + AdamW
+  * ``save(path)`` / ``load(path)``: sharded training state via torch.distributed.checkpoint
+  * ``iter_full_weights()`` / ``full_state_dict()``: full HF-named weights from any layout
+  * ``memory()``: bytes per rank of weights, grads, optimizer state and saved activations
+
+Each rank passes its own data-parallel shard of the batch (``shard_batch`` cuts it). The loss is a
+plain function ``loss_fn(out, mb) -> scalar`` of the model outputs ``out`` (``{"logprobs",
+"entropy"}`` or ``{"values"}``, each (B, S) aligned with input_ids) and the micro-batch ``mb`` (the
+batch's tensors, sliced). Under PP it runs on the last stage, inside the pipeline schedule. The
+step's objective is the mean of ``loss_fn`` over micro-batches and DP ranks (as with gradient
+accumulation everywhere).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from rlkit.errors import PlanError
+from rlkit.parallel.apply import apply_ac, apply_fsdp, apply_tp
+from rlkit.parallel.dist import build_mesh, device_type, fsdp_mesh
+from rlkit.parallel.stage import split_stages
+from rlkit.plan.topology import ParallelPlan
+
+LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]
+
+
+def load_hf(model: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """An HF causal LM from a path / hub id, or the module itself (eager attention, no KV cache)."""
+    if isinstance(model, nn.Module):
+        return model
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype, attn_implementation="eager")
+    hf.config.use_cache = False
+    return hf
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class ParallelModel:
+    """This rank's stages of ``model`` under ``plan``, with an AdamW optimizer.
+
+    Args:
+        model: HF causal LM (module, local path or hub id). Every rank loads it, then keeps its slice.
+        plan: the layout; ``plan.world_size`` must equal the process group size.
+        head: "lm" (per-token log-probs) or "value" (critic; a seeded scalar head replaces lm_head).
+        lr, weight_decay, betas, eps, max_grad_norm: AdamW and gradient clipping (None: no clipping).
+        activation_checkpointing: recompute decoder layers in backward.
+        layer_split: per-stage layer counts for uneven pipelines (default: ``plan.stage_layers``).
+
+    >>> # under torchrun --nproc-per-node 8 (see python -m rlkit.parallel):
+    >>> pm = ParallelModel(tiny_lm("qwen2"), ParallelPlan(dp=2, tp=2, pp=2))   # doctest: +SKIP
+    >>> mine = pm.shard_batch(batch)                                          # doctest: +SKIP
+    >>> lp = pm.logprobs(mine["input_ids"], mine["attention_mask"])["logprobs"]  # doctest: +SKIP
+    >>> pm.train_step(mine, lambda out, mb: -(out["logprobs"] * mb["response_mask"]).mean())  # doctest: +SKIP
+    """
+
+    def __init__(self, model: Any, plan: ParallelPlan, *, head: str = "lm", lr: float = 1e-5,
+                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 max_grad_norm: float | None = 1.0, activation_checkpointing: bool = False,
+                 layer_split: list[int] | None = None, seed: int = 0, logprob_chunk: int = 1024,
+                 mesh=None, mp_policy=None):
+        hf = load_hf(model)
+        plan.validate(model=hf.config)
+        self.plan, self.config, self.head = plan, hf.config, head
+        if getattr(hf.config, "tie_word_embeddings", False) and (plan.pp > 1 or plan.tp > 1):
+            raise PlanError(f"{plan.describe()}: tied input/output embeddings are supported with dp only; "
+                            f"use tp=1 and pp=1, or a checkpoint with tie_word_embeddings=False")
+        self.device = torch.device(device_type())
+        self.mesh = mesh if mesh is not None else build_mesh(plan)
+        self.rank = dist.get_rank()
+        self.coords = plan.coords(self.rank)
+        self.pp_rank = self.coords["pp"]
+        self.dp_rank, self.dp_size = self.mesh["dp"].get_local_rank(), plan.dp
+        self.pp_group = self.mesh["pp"].get_group()
+        self.dp_group = self.mesh["dp"].get_group()
+
+        value_head = None
+        if head == "value":
+            # Same seed on every rank, so replicated copies start equal.
+            g = torch.Generator().manual_seed(seed)
+            value_head = nn.Linear(hf.config.hidden_size, 1)
+            with torch.no_grad():
+                value_head.weight.normal_(0.0, getattr(hf.config, "initializer_range", 0.02), generator=g)
+                value_head.bias.zero_()
+        hf.to(self.device)
+        self.stage_ids, self.stages = split_stages(hf, plan, self.pp_rank, head=head, value_head=value_head,
+                                                   split=layer_split, logprob_chunk=logprob_chunk)
+        del hf  # layers of other stages are freed with it
+        for st in self.stages:
+            apply_tp(st, self.mesh["tp"], self.config)
+            if activation_checkpointing:
+                apply_ac(st)
+            if plan.dp > 1:
+                apply_fsdp(st, fsdp_mesh(self.mesh), plan.dp_shard, mp_policy)
+        self.has_first = 0 in self.stage_ids
+        self.has_last = plan.n_stages - 1 in self.stage_ids
+        self.params = [p for st in self.stages for p in st.parameters()]
+        # foreach=False: params mix DTensors on different meshes (tp, dp x tp) and plain tensors.
+        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=betas,
+                                           eps=eps, foreach=False)
+        self.max_grad_norm = max_grad_norm
+        self.step = 0
+        self._schedules: dict[tuple, Any] = {}
+        self._loss_ctx: dict[str, Any] = {}
+        self.last_grad_bytes = 0
+        self.last_transfer: dict[str, float] = {}
+
+    # ---- batches -----------------------------------------------------------------------------------
+    def shard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """This rank's DP slice of a global batch (tensors split along dim 0; other values kept)."""
+        n = _batch_size(batch)
+        if n % self.dp_size:
+            raise PlanError(f"global batch of {n} sequences is not divisible by dp={self.dp_size}; "
+                            f"use a multiple of {self.dp_size}")
+        k = n // self.dp_size
+        return {key: v[self.dp_rank * k:(self.dp_rank + 1) * k] if torch.is_tensor(v) else v
+                for key, v in batch.items()}
+
+    def _micro_batches(self, batch: dict[str, Any]) -> int:
+        m, n = self.plan.n_micro_batches, _batch_size(batch)
+        if n % m:
+            raise PlanError(f"this rank's batch of {n} sequences does not split into micro_batches={m}; "
+                            f"use a per-DP-rank batch that is a multiple of {m} (global: dp*{m}*k)")
+        return m
+
+    # ---- forward only ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Per-token ``{"logprobs", "entropy"}`` (B, S) fp32 for this rank's batch; column t scores
+        token t given tokens < t (column 0 is 0). Every rank of the DP group gets the result.
+        With ``head="value"`` returns ``{"values"}`` instead."""
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        batch = {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device)}
+        m = self._micro_batches(batch)
+        for st in self.stages:
+            st.eval()
+        try:
+            if self.plan.pp == 1:
+                outs = [self._as_dict(self.stages[0](mb["input_ids"], attention_mask=mb["attention_mask"],
+                                                     labels=mb["input_ids"])) for mb in _split(batch, m)]
+                out = {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+            else:
+                out = self._pp_forward(batch, m)
+        finally:
+            for st in self.stages:
+                st.train()
+        return out
+
+    values = logprobs
+
+    def _pp_forward(self, batch, m) -> dict[str, torch.Tensor]:
+        sched = self._schedule(batch, m)
+        args = (batch["input_ids"],) if self.has_first else ()
+        # Schedules evaluate the loss on the last stage even in eval: hand them a no-op one.
+        self._loss_ctx = {"loss_fn": None, "batch": batch}
+        extra = {"target": torch.arange(_batch_size(batch), device=self.device)} if self.has_last else {}
+        res = sched.eval(*args, attention_mask=batch["attention_mask"], labels=batch["input_ids"], **extra)
+        self._loss_ctx = {}
+        b, s = batch["input_ids"].shape
+        names = ["values"] if self.head == "value" else ["logprobs", "entropy"]
+        if self.has_last:
+            res = (res,) if torch.is_tensor(res) else res
+            out = [t.float().contiguous() for t in res]
+        else:
+            out = [torch.empty(b, s, device=self.device) for _ in names]
+        src = dist.get_global_rank(self.pp_group, self.plan.pp - 1)
+        for t in out:  # the last stage has the answer: share it along the pipeline
+            dist.broadcast(t, src=src, group=self.pp_group)
+        return dict(zip(names, out))
+
+    def _as_dict(self, out) -> dict[str, torch.Tensor]:
+        if self.head == "value":
+            return {"values": out}
+        return {"logprobs": out[0], "entropy": out[1]}
+
+    # ---- training ----------------------------------------------------------------------------------
+    def forward_backward(self, batch: dict[str, Any], loss_fn: LossFn) -> float:
+        """Accumulate gradients of mean-over-micro-batches ``loss_fn`` on this rank's batch.
+
+        Returns the loss averaged over micro-batches and DP ranks (same value on every rank)."""
+        batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        batch.setdefault("attention_mask", torch.ones_like(batch["input_ids"]))
+        m = self._micro_batches(batch)
+        total = torch.zeros((), device=self.device)
+        if self.plan.pp == 1:
+            st = self.stages[0]
+            for j, mb in enumerate(_split(batch, m)):
+                if hasattr(st, "set_requires_gradient_sync"):  # FSDP: reduce grads once, on the last one
+                    st.set_requires_gradient_sync(j == m - 1)
+                out = self._as_dict(st(mb["input_ids"], attention_mask=mb["attention_mask"],
+                                       labels=mb["input_ids"]))
+                loss = loss_fn(out, mb)
+                (loss / m).backward()
+                total += loss.detach() / m
+        else:
+            sched = self._schedule(batch, m)
+            self._loss_ctx = {"batch": batch, "loss_fn": loss_fn}
+            args = (batch["input_ids"],) if self.has_first else ()
+            losses: list[torch.Tensor] = []
+            extra = {"target": torch.arange(_batch_size(batch), device=self.device), "losses": losses} \
+                if self.has_last else {}
+            sched.step(*args, attention_mask=batch["attention_mask"], labels=batch["input_ids"], **extra)
+            self._loss_ctx = {}
+            if self.has_last:
+                total += torch.stack([x.detach() for x in losses]).mean()
+            dist.all_reduce(total, group=self.pp_group)  # only the last stage contributed
+        if self.dp_size > 1:
+            dist.all_reduce(total, group=self.dp_group)
+            total /= self.dp_size
+        for p in self.params:
+            # DTensor's embedding backward returns a Replicate grad for a vocab-sharded (Rowwise)
+            # table; hand the optimizer a grad laid out like its param (a local slice, no comm).
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        self.last_grad_bytes = _bytes([p.grad for p in self.params if p.grad is not None])
+        return total.item()
+
+    def _pp_loss(self, output, idx: torch.Tensor) -> torch.Tensor:
+        # The pipeline schedule hands the last stage's output and the target micro-batch; the target
+        # is the micro-batch's row indices, so the user's loss sees every column of its rows.
+        ctx = self._loss_ctx
+        if ctx["loss_fn"] is None:
+            return torch.zeros((), device=self.device)
+        mb = {k: v[idx] if torch.is_tensor(v) else v for k, v in ctx["batch"].items()}
+        return ctx["loss_fn"](self._as_dict(output), mb)
+
+    def optimizer_step(self) -> float:
+        """Clip (global grad norm over all dims) and step AdamW; returns the pre-clip grad norm."""
+        norm = self.grad_norm()
+        if self.max_grad_norm is not None and norm > self.max_grad_norm:
+            coef = self.max_grad_norm / (norm + 1e-6)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return norm
+
+    def train_step(self, batch: dict[str, Any], loss_fn: LossFn) -> dict[str, float]:
+        """forward + loss + backward (micro-batched) + clip + AdamW step on this rank's batch."""
+        t0 = time.perf_counter()
+        loss = self.forward_backward(batch, loss_fn)
+        norm = self.optimizer_step()
+        return {"loss": loss, "grad_norm": norm, "step": self.step, "step_time_s": time.perf_counter() - t0}
+
+    def grad_norm(self) -> float:
+        """L2 norm of all gradients of the model (DTensor shards reduced over dp/tp, summed over pp)."""
+        sq = torch.zeros((), device=self.device, dtype=torch.float64)
+        for p in self.params:
+            if p.grad is not None:
+                sq += full(p.grad.norm(2)).double() ** 2
+        if self.plan.pp > 1:
+            dist.all_reduce(sq, group=self.pp_group)
+        return sq.sqrt().item()
+
+    def _schedule(self, batch: dict[str, Any], m: int):
+        """A pipeline schedule for this micro-batch shape (stages fix their p2p buffer shapes on
+        first use, so a new shape gets new PipelineStage objects over the same modules)."""
+        import torch.distributed.pipelining as pl
+
+        key = tuple(batch["input_ids"].shape) + (m,)
+        if key not in self._schedules:
+            stages = [pl.PipelineStage(mod, s, self.plan.n_stages, self.device, group=self.pp_group)
+                      for s, mod in zip(self.stage_ids, self.stages)]
+            cls = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B,
+                   "interleaved-1f1b": pl.ScheduleInterleaved1F1B}[self.plan.pipeline_schedule]
+            self._schedules[key] = cls(stages if self.plan.vpp > 1 else stages[0], n_microbatches=m,
+                                       loss_fn=self._pp_loss)
+        return self._schedules[key]
+
+    # ---- named view over this rank's parameters ----------------------------------------------------
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(HF name, parameter) for this rank's stages; DTensors hold this rank's shard."""
+        for st in self.stages:
+            yield from st.named_parameters()
+
+    def _root(self) -> nn.Module:
+        """One module over all local stages with HF names (interleaved PP holds several stages)."""
+        if len(self.stages) == 1:
+            return self.stages[0]
+        root = nn.Module()
+        root.model = nn.Module()
+        root.model.layers = nn.ModuleDict({k: v for st in self.stages for k, v in st.model.layers.items()})
+        for st in self.stages:
+            for name in ("embed_tokens", "norm"):
+                if getattr(st.model, name, None) is not None:
+                    setattr(root.model, name, getattr(st.model, name))
+            for name in ("lm_head", "value_head"):
+                if hasattr(st, name):
+                    setattr(root, name, getattr(st, name))
+        return root
+
+    # ---- full weights out --------------------------------------------------------------------------
+    def iter_full_weights(self, to: str | int = "all") -> Iterator[tuple[str, torch.Tensor | None]]:
+        """Yield ``(hf_name, full tensor)`` one parameter at a time, on CPU, from any layout.
+
+        ``to="all"``: every rank receives every tensor; ``to=0``: only rank 0 does (others get
+        None). Every rank must iterate to the end (the gathers are collectives). A rank never
+        holds more than one extra full tensor. Stats land in ``self.last_transfer``
+        (bytes received by this rank, seconds).
+        """
+        t0, moved = time.perf_counter(), 0
+        metas = self._param_meta()
+        dp_tp_zero = self.coords["dp"] == 0 and self.coords["tp"] == 0
+        mine = dict(self.named_parameters())
+        for name, shape, dtype, owner in metas:
+            want = to == "all" or dp_tp_zero
+            if owner == self.pp_rank:
+                p = mine[name]
+                t = full(p.detach())  # all-gather over this stage's dp x tp ranks
+                moved += t.numel() * t.element_size() - local(p).numel() * local(p).element_size()
+            else:
+                t = torch.empty(shape, dtype=dtype, device=self.device) if want else None
+            if self.plan.pp > 1 and want:
+                src = dist.get_global_rank(self.pp_group, owner)
+                dist.broadcast(t, src=src, group=self.pp_group)
+                if owner != self.pp_rank:
+                    moved += t.numel() * t.element_size()
+            receive = to == "all" or self.rank == to
+            yield name, (t.cpu() if receive else None)
+        self.last_transfer = {"bytes": float(moved), "seconds": time.perf_counter() - t0}
+
+    def full_state_dict(self, to: str | int = 0) -> dict[str, torch.Tensor]:
+        """Full HF-named weights (CPU), loadable with ``load_state_dict(strict=True)`` into a fresh
+        HF model (plus ``value_head.weight`` for a critic). Empty dict on ranks that don't receive."""
+        return {k: v for k, v in self.iter_full_weights(to) if v is not None}
+
+    def _param_meta(self) -> list[tuple[str, tuple, torch.dtype, int]]:
+        if not hasattr(self, "_meta"):
+            mine = [(n, tuple(p.shape), p.dtype, self.pp_rank) for n, p in self.named_parameters()]
+            everyone: list[Any] = [None] * self.plan.pp
+            if self.plan.pp > 1:
+                dist.all_gather_object(everyone, mine, group=self.pp_group)
+            else:
+                everyone = [mine]
+            order = {n: i for i, n in enumerate(_hf_order(self.config.num_hidden_layers))}
+            metas = [m for part in everyone for m in part]
+            self._meta = sorted(metas, key=lambda m: (order.get(_layer_key(m[0]), 10**9), m[0]))
+        return self._meta
+
+    # ---- checkpoint ----------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> str:
+        """Save model + optimizer (sharded, torch.distributed.checkpoint) + step + RNG of every rank.
+
+        Written to ``<path>.tmp-<id>`` and renamed into place once every rank finished, so a crash
+        never leaves a half-written ``path`` (multi-node: needs a shared filesystem)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        path = Path(path)
+        box = [f"{path}.tmp-{uuid.uuid4().hex[:8]}" if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        tmp = Path(box[0])
+        msd, osd = get_state_dict(self._root(), self.optimizer)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+        torch.save({"step": self.step, "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
+                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+                   tmp / f"extra_rank{self.rank}.pt")
+        dist.barrier()
+        if self.rank == 0:
+            old = Path(f"{path}.old-{uuid.uuid4().hex[:8]}")
+            if path.exists():
+                os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+        return str(path)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Restore what ``save`` wrote (same plan and world size) for an exact resume."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        path = Path(path)
+        if not (path / f"extra_rank{self.rank}.pt").exists():
+            raise FileNotFoundError(f"{path} is not a complete rlkit checkpoint for rank {self.rank} "
+                                    f"(missing extra_rank{self.rank}.pt); was it saved with the same plan?")
+        root = self._root()
+        msd, osd = get_state_dict(root, self.optimizer)
+        # Hyper-parameters come from this optimizer, not the file: DCP round-trips the tensors
+        # reliably, but drops non-tensor param-group entries of stages other ranks also hold.
+        groups = copy.deepcopy(osd["param_groups"])
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(path))
+        state["optim"]["param_groups"] = groups
+        set_state_dict(root, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        extra = torch.load(path / f"extra_rank{self.rank}.pt", weights_only=False)
+        self.step = extra["step"]
+        torch.set_rng_state(extra["torch_rng"])
+        random.setstate(extra["py_rng"])
+        if extra["cuda_rng"] is not None:
+            torch.cuda.set_rng_state_all(extra["cuda_rng"])
+        dist.barrier()
+
+    # ---- memory ------------------------------------------------------------------------------------
+    def memory(self, batch: dict[str, Any] | None = None):
+        """Bytes per rank: weights, grads (from the last backward), optimizer state, activations
+        (autograd-saved tensors of one micro-batch forward, times the micro-batches in flight on
+        this pipeline rank), total. A DataFrame gathered from every rank (on every rank).
+
+        On CUDA the total is ``torch.cuda.max_memory_allocated`` instead of the sum."""
+        import pandas as pd
+
+        row = {"rank": self.rank,
+               "weights": _bytes([p.data for p in self.params]),
+               "grads": self.last_grad_bytes,
+               "optimizer": _bytes([t for s in self.optimizer.state.values() for t in s.values()
+                                    if torch.is_tensor(t) and t.dim() > 0])}
+        row["activations"] = self.measure_activations(batch) if batch is not None else 0
+        row["total"] = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
+                        else row["weights"] + row["grads"] + row["optimizer"] + row["activations"])
+        rows: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, row)
+        return pd.DataFrame(rows)
+
+    def measure_activations(self, batch: dict[str, Any]) -> int:
+        """Bytes autograd keeps for backward: one micro-batch forward through this rank's stages
+        (hidden-state inputs faked for later stages), times the micro-batches in flight here.
+        Runs a throwaway backward and clears gradients: call it between steps."""
+        m = self._micro_batches(batch)
+        mb = next(iter(_split({k: v.to(self.device) for k, v in batch.items() if torch.is_tensor(v)}, m)))
+        ids, am = mb["input_ids"], mb["attention_mask"]
+        seen: dict[int, int] = {}
+        param_ptrs = {local(p).untyped_storage().data_ptr() for p in self.params}
+
+        def live_param_ptrs():  # FSDP swaps in gathered (unsharded) params during forward
+            return {local(p).untyped_storage().data_ptr() for st in self.stages for p in st.parameters()}
+
+        def pack(t):
+            try:
+                s = local(t).untyped_storage()
+                ptr = s.data_ptr()
+            except RuntimeError:  # a tensor subclass without storage of its own (its parts are seen)
+                return t
+            if ptr not in param_ptrs and ptr not in live_param_ptrs():  # weights are not activations
+                seen[ptr] = s.nbytes()
+            return t
+
+        outs = []
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            for st in self.stages:
+                x = ids if st.first else torch.randn(*ids.shape, self.config.hidden_size, device=self.device,
+                                                     requires_grad=True)
+                out = st(x, attention_mask=am, labels=ids)
+                outs += list(out) if isinstance(out, tuple) else [out]
+        per_mb = sum(seen.values())
+        # Finish the graph (FSDP expects every forward to meet its backward), then drop the grads.
+        sum(o.float().sum() for o in outs).backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        return int(per_mb * self.in_flight(m))
+
+    def in_flight(self, m: int) -> float:
+        """Micro-batches of this rank's layers whose activations are held at the peak (the
+        schedule's warm-up depth; the same counts ``rlkit.plan.memory`` uses)."""
+        pp, r, v = self.plan.pp, self.pp_rank, self.plan.vpp
+        if pp == 1:
+            return 1  # gradient accumulation: one micro-batch at a time
+        if self.plan.pipeline_schedule == "gpipe":
+            return m
+        if self.plan.pipeline_schedule == "interleaved-1f1b":  # chunks of layers/v (Megatron warm-up)
+            return min(2 * (pp - r - 1) + (v - 1) * pp + 1, m * v) / v
+        return min(m, pp - r)
+
+
+def _split(batch: dict[str, Any], m: int):
+    n = _batch_size(batch) // m
+    for j in range(m):
+        yield {k: v[j * n:(j + 1) * n] if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def _batch_size(batch: dict[str, Any]) -> int:
+    if "input_ids" not in batch:
+        raise PlanError(f"batch needs 'input_ids'; got keys {sorted(batch)}")
+    return int(batch["input_ids"].shape[0])
+
+
+def _bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (local shards of DTensors)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = local(t).untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def _hf_order(num_layers: int) -> list[str]:
+    return ["embed"] + [f"layer{i}" for i in range(num_layers)] + ["norm", "head"]
+
+
+def _layer_key(name: str) -> str:
+    if name.startswith("model.layers."):
+        return f"layer{name.split('.')[2]}"
+    if "embed_tokens" in name:
+        return "embed"
+    if name.startswith("model.norm"):
+        return "norm"
+    return "head"

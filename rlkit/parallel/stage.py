@@ -1,0 +1,145 @@
+"""A pipeline stage: a slice of an HF causal LM that keeps the HF parameter names.
+
+Every layout (pp=1 included) runs through ``Stage``: with pp=1 there is one stage holding the
+whole model. Decoder layers live in a ``ModuleDict`` keyed by their *global* index, so a stage's
+parameter names are exactly the HF names (``model.layers.7.mlp.up_proj.weight``) on every rank:
+state dicts, checkpoints and gradient comparisons need no renaming.
+
+HF decoder layers are called directly, so the stage supplies what ``LlamaModel.forward`` would:
+rotary ``position_embeddings``, position ids that skip left padding, and an explicit 4D additive
+mask (causal AND not padding) - eager attention without a mask is not causal.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from rlkit.errors import PlanError
+from rlkit.plan.topology import ParallelPlan
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """0, 1, 2, ... over real tokens; left padding gets 0 (it is masked anyway)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, 1, S, S) additive mask: 0 where query i may attend key j (j <= i and j is a real token).
+
+    Fully masked rows (queries on left padding) get a uniform softmax rather than NaN, since the
+    fill value is finfo.min, not -inf; those positions are ignored downstream.
+
+    >>> causal_padding_mask(torch.tensor([[0, 1, 1]]), torch.float32)[0, 0].eq(0).int().tolist()
+    [[0, 0, 0], [0, 1, 0], [0, 1, 1]]
+    """
+    s = attention_mask.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()
+    allowed = causal[None] & attention_mask.bool()[:, None, :]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=attention_mask.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def token_logprobs(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
+                   chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log p(labels[t] | <t) and entropy, both (B, S) with column 0 = 0 (no prediction).
+
+    The vocab-sized logits exist for ``chunk`` positions at a time (fp32 for the softmax), so
+    inference never holds (B, S, V) at once.
+
+    >>> head = nn.Linear(4, 10); h = torch.randn(2, 5, 4); ids = torch.randint(0, 10, (2, 5))
+    >>> lp, ent = token_logprobs(head, h, ids, chunk=2)
+    >>> ref = head(h[:, :-1]).log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    >>> bool(torch.allclose(lp[:, 1:], ref, atol=1e-6)), tuple(ent.shape)
+    (True, (2, 5))
+    """
+    h, target = hidden[:, :-1], labels[:, 1:]
+    lps, ents = [], []
+    for i in range(0, h.shape[1], chunk):
+        logp = head(h[:, i:i + chunk]).float().log_softmax(-1)
+        lps.append(logp.gather(-1, target[:, i:i + chunk, None]).squeeze(-1))
+        ents.append(-(logp.exp() * logp).sum(-1))
+    zero = torch.zeros(hidden.shape[0], 1, dtype=torch.float32, device=hidden.device)
+    return torch.cat([zero, *lps], 1), torch.cat([zero, *ents], 1)
+
+
+class Stage(nn.Module):
+    """Decoder layers ``layers`` of ``hf_model`` (+ embedding if first, + norm and head if last).
+
+    ``forward(x, attention_mask, labels)``: ``x`` is input_ids on the first stage, hidden states
+    after. The last stage returns ``(logprobs, entropy)`` (head="lm") or ``values`` (head="value"),
+    each (B, S) fp32, so a pipeline's last stage can evaluate an RL loss on its own.
+
+    >>> from rlkit.models import tiny_lm, load
+    >>> hf, _ = load(tiny_lm("llama"))
+    >>> st = Stage(hf, range(4), first=True, last=True)
+    >>> ids = torch.randint(0, 100, (2, 6)); am = torch.ones_like(ids)
+    >>> lp, ent = st(ids, attention_mask=am, labels=ids)
+    >>> ref = hf(ids).logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    >>> bool(torch.allclose(lp[:, 1:], ref, atol=1e-5))
+    True
+    """
+
+    def __init__(self, hf_model: nn.Module, layers: Any, *, first: bool, last: bool, head: str = "lm",
+                 value_head: nn.Module | None = None, logprob_chunk: int = 1024):
+        super().__init__()
+        self.first, self.last, self.head, self.logprob_chunk = first, last, head, logprob_chunk
+        self.ac = False  # activation checkpointing per decoder layer (see apply.apply_ac)
+        body = hf_model.model
+        self.model = nn.Module()
+        self.model.embed_tokens = body.embed_tokens if first else None
+        self.model.layers = nn.ModuleDict({str(i): body.layers[i] for i in layers})
+        self.model.rotary_emb = body.rotary_emb
+        self.model.norm = body.norm if last else None
+        if last and head == "lm":
+            self.lm_head = hf_model.lm_head
+        elif last and head == "value":
+            self.value_head = value_head
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):
+        h = self.model.embed_tokens(x) if self.first else x
+        pos = position_ids_from_mask(attention_mask)
+        mask = causal_padding_mask(attention_mask, h.dtype)
+        pe = self.model.rotary_emb(h, position_ids=pos)
+        for layer in self.model.layers.values():
+            if self.ac and torch.is_grad_enabled():
+                h = checkpoint(_run_layer, layer, h, mask, pos, pe, use_reentrant=False)
+            else:
+                h = _run_layer(layer, h, mask, pos, pe)
+        if not self.last:
+            return h
+        h = self.model.norm(h)
+        if self.head == "value":
+            return self.value_head(h).squeeze(-1).float()
+        return token_logprobs(self.lm_head, h, labels, self.logprob_chunk)
+
+
+def _run_layer(layer: nn.Module, h, mask, pos, pe):
+    out = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=pe)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def split_stages(hf_model: nn.Module, plan: ParallelPlan, pp_rank: int, *, head: str = "lm",
+                 value_head: nn.Module | None = None, split: list[int] | None = None,
+                 logprob_chunk: int = 1024) -> tuple[list[int], list[Stage]]:
+    """This pipeline rank's (virtual) stages: ``(stage_ids, modules)``.
+
+    Virtual stage ``s`` lives on pipeline rank ``s % pp`` (interleaved 1F1B's looping order), and
+    holds the layers ``plan.stage_layers(num_layers, split)[s]`` (uneven splits allowed).
+
+    >>> from rlkit.models import tiny_lm, load
+    >>> ids, mods = split_stages(load(tiny_lm("qwen2"))[0], ParallelPlan(pp=2, vpp=2), pp_rank=1)
+    >>> ids, [list(m.model.layers) for m in mods], mods[-1].last
+    ([1, 3], [['1'], ['3']], True)
+    """
+    if head not in ("lm", "value"):
+        raise PlanError(f"head={head!r} must be 'lm' (log-probs) or 'value' (critic)")
+    n = plan.n_stages
+    ranges = plan.stage_layers(hf_model.config.num_hidden_layers, split)
+    ids = [s for s in range(n) if s % plan.pp == pp_rank]
+    mods = [Stage(hf_model, ranges[s], first=s == 0, last=s == n - 1, head=head, value_head=value_head,
+                  logprob_chunk=logprob_chunk) for s in ids]
+    return ids, mods
