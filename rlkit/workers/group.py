@@ -1,0 +1,458 @@
+"""WorkerGroup: one Ray actor per rank of a plan, joined in a torch.distributed process group.
+
+The driver (your notebook) is the single controller: it calls methods on the group, and the
+dispatch mode says who runs them and how results come back:
+
+    call(m, ...)        every rank; a list of results in rank order
+    call_rank0(m, ...)  rank 0 only; its result
+    call_dp(m, batch)   the batch split by DP rank (TP and PP ranks of a DP group get the same chunk);
+                        results from the last pipeline stage's tp=0 rank of each DP group, joined in DP
+                        order, padding removed
+    apply(fn, ...)      fn(worker, ...) on every rank (handy in notebooks)
+
+Each has an ``*_async`` variant returning a ``GroupFuture``. Every wait has a timeout. A worker
+exception arrives as ``rlkit.WorkerError`` (rank, node, remote traceback); a dead worker tears the
+group down (the others would hang in their next collective) and the cluster stays usable.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from rlkit.errors import PlanError, WorkerError
+from rlkit.workers.batch import (
+    batch_size,
+    concat_batches,
+    is_batch_like,
+    pad_batch,
+    split_batch,
+    truncate_batch,
+)
+
+if TYPE_CHECKING:
+    from rlkit.cluster import Cluster, ResourcePool
+    from rlkit.plan.topology import ParallelPlan
+
+_POLL_S = 0.2  # how often a wait wakes up: keeps Ctrl-C responsive and failures reported early
+_GRACE_S = 1.0  # after one rank fails, how long to let its peers' failures (a dead process) arrive
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class WorkerTimeoutError(WorkerError, TimeoutError):
+    """Some ranks did not answer in time (often: stuck in a collective waiting for a peer)."""
+
+
+class _RankWorker:
+    """The actor behind one rank: sets up env and process group, then hosts the user's object."""
+
+    def __init__(self, rank: int, world_size: int, env: dict[str, str]) -> None:
+        os.environ.update(env)
+        self.rank, self.world_size, self.obj = rank, world_size, None
+
+    def info(self) -> dict[str, Any]:
+        import ray
+
+        return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                "pid": os.getpid(), "host": socket.gethostname()}
+
+    def free_port(self, host: str) -> int:
+        """A free TCP port on this node (the rendezvous port must be free where rank 0 runs)."""
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+
+    def setup(self, env: dict[str, str], threads: int, init_pg: bool, backend: str | None,
+              dist_timeout_s: float, worker_cls: Callable, args: tuple, kwargs: dict) -> dict[str, float]:
+        os.environ.update(env)
+        t0 = time.perf_counter()
+        if init_pg or "torch" in sys.modules:  # a worker that never touches torch stays light
+            import torch
+
+            torch.set_num_threads(threads)  # several ranks share a node's cores: no oversubscription
+        t_import = time.perf_counter() - t0
+        if init_pg:
+            import torch
+            import torch.distributed as dist
+
+            backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            if backend == "nccl":
+                torch.cuda.set_device(0)  # Ray's CUDA_VISIBLE_DEVICES leaves this rank's GPU as cuda:0
+            dist.init_process_group(backend, init_method="env://", rank=self.rank, world_size=self.world_size,
+                                    timeout=timedelta(seconds=dist_timeout_s))
+        t_pg = time.perf_counter() - t0 - t_import
+        self.obj = worker_cls(*args, **kwargs)
+        return {"import_s": t_import, "process_group_s": t_pg, "construct_s": time.perf_counter() - t0 - t_import - t_pg}
+
+    def call(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
+        fn = getattr(self.obj, method_name, None)
+        if fn is None or not callable(fn):
+            raise AttributeError(f"{type(self.obj).__name__} has no method {method_name!r}; "
+                                 f"methods: {[m for m in dir(self.obj) if not m.startswith('_')]}")
+        return fn(*args, **kwargs)
+
+    def apply(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        return fn(self.obj, *args, **kwargs)
+
+    def close(self) -> bool:
+        close = getattr(self.obj, "close", None)
+        if callable(close):
+            close()
+        if "torch" in sys.modules:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        return True
+
+
+def _ship_by_value(obj: Any) -> None:
+    """Send the code of ``obj``'s module with it when workers may not be able to import it.
+
+    Ray pickles classes by reference (module + name). That fails for modules that live only next to
+    the driver: a test file, a local helpers.py, any module outside site-packages; workers on other
+    nodes would not have them either. Notebook classes (``__main__``) are already sent by value."""
+    import ray.cloudpickle
+
+    module = sys.modules.get(getattr(obj, "__module__", "") or "")
+    path = getattr(module, "__file__", None) or ""
+    rlkit_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if (module is None or module.__name__ == "__main__" or not path or "site-packages" in path
+            or "dist-packages" in path or os.path.abspath(path).startswith(rlkit_root + os.sep)):
+        return
+    ray.cloudpickle.register_pickle_by_value(module)
+
+
+_ACTOR_CLS = None
+
+
+def _actor_cls():
+    global _ACTOR_CLS
+    if _ACTOR_CLS is None:
+        import ray
+
+        # max_restarts=0: a restarted rank could not rejoin the process group anyway
+        _ACTOR_CLS = ray.remote(max_restarts=0)(_RankWorker)
+    return _ACTOR_CLS
+
+
+class GroupFuture:
+    """A dispatched call in flight. ``result(timeout)`` waits (bounded) and returns the gathered value.
+
+    >>> fut = group.call_async("step")      # doctest: +SKIP
+    >>> fut.done(), fut.result(timeout=30)  # doctest: +SKIP
+    """
+
+    def __init__(self, group: WorkerGroup, what: str, refs: list, ranks: list[int],
+                 finish: Callable[[list], Any]) -> None:
+        self.group, self.what, self.refs, self.ranks, self._finish = group, what, refs, ranks, finish
+        self._done, self._value = False, None
+
+    def done(self) -> bool:
+        import ray
+
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._done:
+            values = self.group._gather(self.refs, self.ranks, timeout, self.what)
+            self._value, self._done = self._finish(values), True
+        return self._value
+
+    def __repr__(self) -> str:
+        return f"GroupFuture({self.what}, {len(self.refs)} rank(s), done={self.done()})"
+
+
+class WorkerGroup:
+    """One Ray actor per rank of ``plan``, in a process group, each hosting ``worker_cls(*args, **kwargs)``.
+
+    Each actor gets the env a process group needs (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    MASTER_ADDR = rank 0's node (loopback when all ranks share a node), MASTER_PORT = a free port
+    there; on CPU OMP_NUM_THREADS and torch threads = its CPUs; on GPU Ray sets CUDA_VISIBLE_DEVICES),
+    runs ``init_process_group`` (gloo on CPU, NCCL on GPU, with ``dist_timeout_s``) and then builds
+    ``worker_cls``. Pass ``init_process_group=False`` if the class sets up torch.distributed itself
+    from that env.
+
+    Args:
+        cluster: the ``rlkit.Cluster``.
+        plan: a ``ParallelPlan`` or a world size (then every rank is its own DP rank).
+        worker_cls: the per-rank class; must be importable or picklable (notebook classes are fine).
+        pool: a ``ResourcePool`` to place ranks on (shared by colocated roles); default: a new one.
+        timeout_s: default bound on every wait (spawn and calls), in seconds.
+        dist_timeout_s: torch.distributed timeout: how long a collective waits for a missing peer.
+        env: extra environment variables for every rank.
+        cpus_per_worker: CPUs per rank when making the pool (default: the cluster's).
+
+    >>> class Adder:
+    ...     def __init__(self, base): self.base = base
+    ...     def add(self, x): return self.base + x
+    >>> with WorkerGroup(cluster, 2, Adder, 10) as g:   # doctest: +SKIP
+    ...     g.call("add", 1), g.call_dp("add", [1, 2, 3])
+    ([11, 11], [11, 12, 13])
+    """
+
+    def __init__(self, cluster: Cluster, plan: ParallelPlan | int, worker_cls: Callable, *args: Any,
+                 pool: ResourcePool | None = None, timeout_s: float = 300, dist_timeout_s: float = 300,
+                 env: dict[str, str] | None = None, init_process_group: bool = True,
+                 backend: str | None = None, name: str | None = None, cpus_per_worker: float | None = None,
+                 **kwargs: Any) -> None:
+        import ray
+
+        from rlkit.plan.topology import ParallelPlan
+
+        cluster._check_alive()
+        if isinstance(plan, bool) or not isinstance(plan, (int, ParallelPlan)):
+            raise PlanError(f"plan={plan!r} must be a ParallelPlan or a world size (int)")
+        self.plan = ParallelPlan(dp=plan) if isinstance(plan, int) else plan
+        self.cluster, self.worker_cls, self.name = cluster, worker_cls, name or getattr(worker_cls, "__name__", "workers")
+        self.timeout_s, self.world_size = float(timeout_s), self.plan.world_size
+        self._closed, self._broken = False, None
+        self.timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        if pool is None:
+            pool = cluster.placement_group_for(self.plan, name=self.name, timeout_s=timeout_s,
+                                               cpus_per_worker=cpus_per_worker)
+            self._owns_pool = True
+        else:
+            if pool.world_size != self.world_size:
+                raise PlanError(f"pool {pool.name!r} has {pool.world_size} ranks but the plan needs "
+                                f"{self.world_size}; make the pool from the same plan")
+            self._owns_pool = False
+        pool._claim()
+        self.pool = pool
+        self.timings["reserve_s"] = time.perf_counter() - t0
+        cluster._groups.append(self)
+
+        try:
+            _ship_by_value(worker_cls)
+            actor = _actor_cls()
+            user_env = {k: str(v) for k, v in (env or {}).items()}
+            self.actors = [actor.options(**pool.actor_options(r), name=None).remote(r, self.world_size, user_env)
+                           for r in range(self.world_size)]
+            self.info = self._gather([a.info.remote() for a in self.actors], list(range(self.world_size)),
+                                     timeout_s, "start")
+            self.timings["actors_s"] = time.perf_counter() - t0 - self.timings["reserve_s"]
+            self.nodes = [i["node_id"] for i in self.info]
+            # Loopback when all ranks share rank 0's node: the rendezvous never listens on the network.
+            one_node = len(set(self.nodes)) == 1
+            master = "127.0.0.1" if one_node else self.info[0]["ip"]
+            port = ray.get(self.actors[0].free_port.remote(master), timeout=timeout_s)
+            threads = max(1, int(pool.cpus_per_rank))
+            refs = []
+            for r, a in enumerate(self.actors):
+                same = [q for q in range(self.world_size) if self.nodes[q] == self.nodes[r]]
+                rank_env = {"RANK": str(r), "WORLD_SIZE": str(self.world_size),
+                            "LOCAL_RANK": str(same.index(r)), "LOCAL_WORLD_SIZE": str(len(same)),
+                            "MASTER_ADDR": master, "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads),
+                            **user_env}
+                if one_node and "GLOO_SOCKET_IFNAME" not in user_env:
+                    rank_env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo would otherwise pick the host's interface
+                refs.append(a.setup.remote(rank_env, threads, init_process_group, backend, dist_timeout_s,
+                                           worker_cls, args, kwargs))
+            setup = self._gather(refs, list(range(self.world_size)), timeout_s, "setup")
+            self.master_addr, self.master_port = master, port
+            self.timings["setup_s"] = max(s["process_group_s"] + s["construct_s"] + s["import_s"] for s in setup)
+            self.timings["spawn_s"] = time.perf_counter() - t0
+        except BaseException:
+            self.shutdown(polite=False)
+            raise
+
+    # ---- dispatch ----------------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise WorkerError(f"this group was torn down: {self._broken}; make a new WorkerGroup")
+        if self._closed:
+            raise WorkerError("this group was shut down; make a new WorkerGroup")
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
+        """``method(*args, **kwargs)`` on every rank; the future gives a list in rank order."""
+        self._check_usable()
+        refs = [a.call.remote(method, *args, **kwargs) for a in self.actors]
+        return GroupFuture(self, method, refs, list(range(self.world_size)), lambda values: values)
+
+    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """``method`` on every rank; results in rank order."""
+        return self.call_async(method, *args, **kwargs).result(timeout)
+
+    def call_rank0_async(self, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
+        """``method`` on rank 0 only (the others are not called: no collectives inside it)."""
+        self._check_usable()
+        return GroupFuture(self, method, [self.actors[0].call.remote(method, *args, **kwargs)], [0],
+                           lambda values: values[0])
+
+    def call_rank0(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        return self.call_rank0_async(method, *args, **kwargs).result(timeout)
+
+    def call_dp_async(self, method: str, batch: Any, *args: Any, **kwargs: Any) -> GroupFuture:
+        """Split ``batch`` by DP rank and call ``method(chunk, *args, **kwargs)`` on every rank.
+
+        A batch whose size does not divide by dp is padded by repeating its last row; per-sample
+        results are cut back to the original size. Results are gathered once per DP group, from its
+        last pipeline stage's tp=0 rank (where the loss / log-probs of a pipeline come out). Per-sample
+        results (a dict / tensor / list with one row per row of the chunk) are joined in DP order; any
+        other result (a scalar loss, a gradient) comes back as a list with one entry per DP rank.
+        """
+        import ray
+
+        self._check_usable()
+        plan = self.plan
+        padded, n = pad_batch(batch, plan.dp)
+        chunks = [ray.put(c) for c in split_batch(padded, plan.dp)]  # one copy per DP group, shared by its ranks
+        refs = [a.call.remote(method, chunks[plan.coords(r)["dp"]], *args, **kwargs)
+                for r, a in enumerate(self.actors)]
+        collect = [plan.rank(dp=d, tp=0, pp=plan.pp - 1) for d in range(plan.dp)]
+
+        per_dp = batch_size(padded) // plan.dp
+
+        def finish(values: list) -> Any:
+            parts = [values[r] for r in collect]
+            # per-sample results (one row per input row) are joined; anything else is listed per DP rank
+            if all(is_batch_like(p) and batch_size(p) == per_dp for p in parts):
+                return truncate_batch(concat_batches(parts), n)
+            return parts
+
+        return GroupFuture(self, method, refs, list(range(self.world_size)), finish)
+
+    def call_dp(self, method: str, batch: Any, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """``call_dp_async(...).result(timeout)``."""
+        return self.call_dp_async(method, batch, *args, **kwargs).result(timeout)
+
+    def apply_async(self, fn: Callable, *args: Any, **kwargs: Any) -> GroupFuture:
+        """``fn(worker, *args, **kwargs)`` on every rank, ``worker`` being that rank's object."""
+        self._check_usable()
+        refs = [a.apply.remote(fn, *args, **kwargs) for a in self.actors]
+        return GroupFuture(self, getattr(fn, "__name__", "fn"), refs, list(range(self.world_size)), lambda v: v)
+
+    def apply(self, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        return self.apply_async(fn, *args, **kwargs).result(timeout)
+
+    # ---- waiting and failures ----------------------------------------------------------------
+    def _gather(self, refs: list, ranks: list[int], timeout: float | None, what: str) -> list[Any]:
+        """Wait for all refs (bounded); the first failure is raised at once as a WorkerError."""
+        import ray
+
+        timeout = self.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        rank_of = {ref: r for ref, r in zip(refs, ranks)}
+        values: dict[Any, Any] = {}
+        pending = list(refs)
+        try:
+            while pending:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(rank_of[p] for p in pending)
+                    raise WorkerTimeoutError(
+                        f"{what!r} did not finish within {timeout:g} s on rank(s) {missing} "
+                        f"(of {len(refs)}); they may be stuck in a collective waiting for a peer. Raise "
+                        f"timeout=, or group.shutdown() and make a new group", rank=missing[0],
+                        node=self._node(missing[0]))
+                ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(_POLL_S, left))
+                errors = self._collect(ready, values, rank_of)
+                if errors:
+                    # A dead peer often shows first as a gloo/NCCL error on a live rank: give the death a
+                    # moment to surface, so the report names the rank that really failed.
+                    more, pending = ray.wait(pending, num_returns=len(pending), timeout=_GRACE_S)
+                    errors += self._collect(more, values, rank_of)
+                    raise self._report(errors, what) from None
+        except KeyboardInterrupt:
+            # Ctrl-C in the notebook: stop everything we started, leave the cluster usable.
+            for ref in pending:
+                try:
+                    ray.cancel(ref)
+                except Exception:
+                    pass
+            self._broken = f"interrupted (KeyboardInterrupt) during {what!r}"
+            self.shutdown(polite=False)
+            raise
+        return [values[ref] for ref in refs]
+
+    def _node(self, rank: int) -> str | None:
+        info = getattr(self, "info", None)
+        return f"{info[rank]['ip']} ({info[rank]['node_id'][:8]})" if info else None
+
+    @staticmethod
+    def _collect(ready: list, values: dict, rank_of: dict) -> list[tuple[int, Exception]]:
+        import ray
+
+        errors = []
+        for ref in ready:
+            try:
+                values[ref] = ray.get(ref, timeout=_POLL_S * 10)  # ready: returns at once
+            except Exception as e:
+                errors.append((rank_of[ref], e))
+        return errors
+
+    def _report(self, errors: list[tuple[int, Exception]], what: str) -> WorkerError:
+        """One WorkerError for the failures seen: a dead process first (and then the group is torn
+        down: its peers would block in their next collective), else the lowest failing rank."""
+        import ray
+
+        dead = [(r, e) for r, e in errors if isinstance(e, ray.exceptions.RayActorError)]
+        failed = sorted({r for r, _ in errors})
+        also = f"; rank(s) {failed} failed in all" if len(failed) > 1 else ""
+        if dead:
+            rank, e = min(dead, key=lambda x: x[0])
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            self._broken = f"rank {rank} died during {what!r}"
+            self.shutdown(polite=False)
+            return WorkerError(f"the worker process died during {what!r} (killed, out of memory or crashed): "
+                               f"{reason}{also}. The group was shut down; the cluster is still usable, make a "
+                               f"new WorkerGroup", rank=rank, node=self._node(rank))
+        rank, e = min(errors, key=lambda x: x[0])
+        if isinstance(e, ray.exceptions.RayTaskError):
+            cause = getattr(e, "cause", None)
+            msg = f"{type(cause).__name__}: {cause}" if cause is not None else str(e).splitlines()[0]
+            tb = _ANSI.sub("", getattr(e, "traceback_str", None) or str(e))
+            return WorkerError(f"{msg} (in {what!r}){also}", rank=rank, node=self._node(rank), remote_traceback=tb)
+        return WorkerError(f"{type(e).__name__}: {e} (in {what!r}){also}", rank=rank, node=self._node(rank))
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def shutdown(self, polite: bool = True, timeout_s: float = 10) -> None:
+        """Destroy the process group (politely, bounded by ``timeout_s``), kill the actors and release
+        the resources. Idempotent."""
+        import ray
+
+        if self._closed:
+            return
+        self._closed = True
+        actors = getattr(self, "actors", [])
+        if polite and actors and ray.is_initialized():
+            try:
+                ray.wait([a.close.remote() for a in actors], num_returns=len(actors), timeout=timeout_s)
+            except Exception:
+                pass
+        for a in actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already dead
+                pass
+        if getattr(self, "pool", None) is not None:
+            self.pool._release()
+            if self._owns_pool:
+                self.pool.remove()
+        if self in self.cluster._groups:
+            self.cluster._groups.remove(self)
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def table(self):
+        """One row per rank: rank, dp/tp/pp coordinates, node, pid."""
+        import pandas as pd
+
+        return pd.DataFrame([{"rank": r, **self.plan.coords(r), "node": i["node_id"][:8], "ip": i["ip"],
+                              "pid": i["pid"]} for r, i in enumerate(self.info)])
+
+    def __repr__(self) -> str:
+        state = "broken" if self._broken else "shut down" if self._closed else "running"
+        return f"WorkerGroup({self.name!r}, {self.plan.describe()}, {state})"
