@@ -28,6 +28,12 @@ _LAZY = {
     "parallel": "rlkit.parallel",
     "doctor": "rlkit.doctor",
     "algos": "rlkit.algos",
+    "Cluster": "rlkit.cluster",
+    "WorkerGroup": "rlkit.workers",
+    "Rollout": "rlkit.rollout",
+    "ParallelModel": "rlkit.parallel",
+    "rollout": "rlkit.rollout",
+    "workers": "rlkit.workers",
 }
 
 __all__ = ["PlanError", "RlkitError", "WorkerError", "__version__", *_LAZY]

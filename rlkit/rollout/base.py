@@ -1,0 +1,257 @@
+"""The rollout interface every engine implements, and the batch it returns.
+
+An engine turns prompts into sampled responses with the log-probs of the sampled tokens, and takes
+new weights from the trainer between steps. The shared parts live here so the engines agree to the
+token: prompts are tokenized once by rlkit (never by the engine), length limits are checked before
+anything is generated, and both engines fill the same ``RolloutBatch`` through ``assemble``.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlkit.rollout.config import PromptTooLongError, Rollout, RolloutError
+
+
+@dataclass
+class RolloutBatch:
+    """Sampled responses, one row per sample; samples of one prompt are adjacent (``n`` rows each).
+
+    Tensors (N = kept prompts x n, P = longest prompt, R = longest response):
+    ``prompt_ids`` (N, P) left-padded with ``prompt_mask``; ``response_ids`` (N, R) right-padded with
+    ``response_mask`` (1 up to and including the end token); ``response_logprobs`` (N, R) float32, 0
+    where masked; ``prompt_index`` (N,) index into the prompts given to ``generate`` (group the n samples
+    of a prompt by it). Lists: ``texts`` (decoded responses), ``finish_reason`` ("stop" = eos/stop
+    token/stop string, "length" = hit max_new_tokens). ``skipped``: (index, length) of prompts dropped
+    with ``on_long_prompt="skip"``. ``timings`` in seconds.
+
+    >>> b = RolloutBatch.empty(pad_token_id=0)
+    >>> b.num_samples, b.input_ids.shape
+    (0, torch.Size([0, 0]))
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    response_logprobs: torch.Tensor
+    prompt_index: torch.Tensor
+    texts: list[str]
+    finish_reason: list[str]
+    skipped: list[tuple[int, int]] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    engine: str = ""
+
+    @property
+    def num_samples(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        return self.response_mask.sum(-1)
+
+    @property
+    def num_tokens(self) -> int:
+        """Generated tokens (masked ones not counted)."""
+        return int(self.response_mask.sum())
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of engine time (``timings["generate"]``)."""
+        return self.num_tokens / max(self.timings.get("generate", 0.0), 1e-9)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """prompt + response, (N, P + R): what the actor and reference forward."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.response_mask], dim=1)
+
+    @classmethod
+    def empty(cls, pad_token_id: int, skipped: list[tuple[int, int]] | None = None) -> RolloutBatch:
+        z = torch.zeros(0, 0, dtype=torch.long)
+        return cls(z, z.clone(), z.clone(), z.clone(), torch.zeros(0, 0), torch.zeros(0, dtype=torch.long),
+                   [], [], skipped or [], {"generate": 0.0})
+
+    def __repr__(self) -> str:
+        return (f"RolloutBatch(samples={self.num_samples}, prompts={len(set(self.prompt_index.tolist()))}, "
+                f"prompt_len={self.prompt_ids.shape[1]}, response_len={self.response_ids.shape[1]}, "
+                f"tokens={self.num_tokens}, tokens/s={self.tokens_per_s:.0f}, engine={self.engine!r})")
+
+
+def _is_token(t) -> bool:
+    return isinstance(t, numbers.Integral) or (torch.is_tensor(t) and t.ndim == 0 and not t.is_floating_point())
+
+
+def tokenize_prompts(prompts: Sequence[str] | Sequence[Sequence[int]], tokenizer) -> list[list[int]]:
+    """Token ids of each prompt: text goes through ``tokenizer`` (special tokens as it adds them), id lists
+    pass through. Tokenizing here, not in the engine, is what makes HF and vLLM see the same ids."""
+    if isinstance(prompts, str):
+        raise RolloutError("prompts must be a list of prompts; wrap a single prompt: generate([prompt])")
+    prompts = list(prompts)
+    if all(isinstance(p, str) for p in prompts):
+        if tokenizer is None:
+            raise RolloutError("text prompts need a tokenizer; pass tokenizer= to the engine or give token ids")
+        return [list(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str) or not all(_is_token(t) for t in p):
+            raise RolloutError(f"prompt {i} is {type(p).__name__}; give all prompts as text or all as "
+                               f"lists of token ids, not a mix")
+        out.append([int(t) for t in p])
+    return out
+
+
+def check_lengths(ids: list[list[int]], limit: int, on_long_prompt: str, why: str
+                  ) -> tuple[list[int], list[tuple[int, int]]]:
+    """Indices of prompts to keep and (index, length) of those skipped; raises on the first bad prompt
+    when ``on_long_prompt="error"``. Never truncates: a cut prompt is a different task."""
+    keep, skipped = [], []
+    for i, p in enumerate(ids):
+        if len(p) == 0:
+            raise RolloutError(f"prompt {i} is empty (0 tokens); give it at least one token")
+        if len(p) > limit:
+            if on_long_prompt == "skip":
+                skipped.append((i, len(p)))
+                continue
+            raise PromptTooLongError(
+                f"prompt {i} has {len(p)} tokens but at most {limit} fit ({why}); shorten it, raise "
+                f"Rollout(max_prompt_len=...), or set Rollout(on_long_prompt='skip') to drop it",
+                index=i, length=len(p), limit=limit)
+        keep.append(i)
+    return keep, skipped
+
+
+def prompt_limit(cfg: Rollout, context_len: int | None) -> tuple[int, str]:
+    """The longest prompt allowed and the reason, for error messages."""
+    limits = []
+    if cfg.max_prompt_len is not None:
+        limits.append((cfg.max_prompt_len, f"max_prompt_len={cfg.max_prompt_len}"))
+    if context_len is not None:
+        limits.append((context_len - cfg.max_new_tokens,
+                       f"context {context_len} - max_new_tokens {cfg.max_new_tokens}"))
+    if not limits:
+        return 1 << 62, "no limit"
+    return min(limits)
+
+
+def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max((len(r) for r in rows), default=0)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def assemble(prompt_ids: list[list[int]], prompt_index: list[int], responses: list[list[int]],
+             logprobs: list[list[float]], finish_reason: list[str], texts: list[str], pad_token_id: int,
+             skipped: list[tuple[int, int]], timings: dict[str, float], engine: str) -> RolloutBatch:
+    """Build a ``RolloutBatch`` from per-sample lists (one entry per sample, samples of a prompt adjacent)."""
+    p_ids, p_mask = left_pad(prompt_ids, pad_token_id)
+    width = max((len(r) for r in responses), default=0)
+    r_ids = torch.full((len(responses), width), pad_token_id, dtype=torch.long)
+    r_mask = torch.zeros((len(responses), width), dtype=torch.long)
+    r_lp = torch.zeros((len(responses), width), dtype=torch.float32)
+    for i, (r, lp) in enumerate(zip(responses, logprobs)):
+        if len(lp) != len(r):
+            raise RuntimeError(f"engine returned {len(lp)} log-probs for {len(r)} tokens in sample {i}")
+        if r:
+            r_ids[i, :len(r)] = torch.tensor(r)
+            r_mask[i, :len(r)] = 1
+            r_lp[i, :len(r)] = torch.tensor(lp, dtype=torch.float32)
+    return RolloutBatch(p_ids, p_mask, r_ids, r_mask, r_lp, torch.tensor(prompt_index, dtype=torch.long),
+                        texts, finish_reason, skipped, timings, engine)
+
+
+def named_tensor_items(named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]):
+    """(name, plain local tensor) pairs from a dict or an iterable; DTensors are gathered to full tensors."""
+    items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
+    for name, t in items:
+        if hasattr(t, "full_tensor"):  # a DTensor from FSDP2/TP: the engine needs the whole weight
+            t = t.full_tensor()
+        yield name, t.detach()
+
+
+class RolloutEngine(ABC):
+    """Generates responses and takes weight updates; see ``HFEngine`` and ``VLLMEngine``.
+
+    Subclasses implement ``_generate_ids`` (token ids in, per-sample token ids + log-probs out) and
+    ``load_weights``; prompt handling, seeding per call and batch assembly are shared here.
+
+    >>> from rlkit.models import tiny_lm
+    >>> from rlkit.rollout import make_engine, Rollout
+    >>> eng = make_engine(Rollout(engine="hf", n=2, max_new_tokens=4), tiny_lm("qwen2", size="test"))
+    >>> eng.generate(["1+1="]).response_ids.shape[0]
+    2
+    """
+
+    name = "base"
+
+    def __init__(self, config: Rollout, tokenizer, context_len: int | None, pad_token_id: int):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.context_len = context_len
+        self.pad_token_id = pad_token_id
+        self.calls = 0  # generate() calls so far: call k samples with seed + k (fresh samples each step)
+
+    # -- what an engine implements ------------------------------------------------------------------
+    @abstractmethod
+    def _generate_ids(self, prompts: list[list[int]], cfg: Rollout, seed: int
+                      ) -> tuple[list[list[int]], list[list[float]], list[str]]:
+        """For each prompt, ``cfg.n`` samples in order: (response ids, log-probs, finish reasons)."""
+
+    @abstractmethod
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Copy new weights (HF checkpoint names) into the engine; returns {"bytes", "seconds", "tensors"}."""
+
+    def sleep(self) -> None:  # noqa: B027 (optional hook, a no-op by default)
+        """Free accelerator memory between rollouts where the engine can; a no-op otherwise."""
+
+    def wake_up(self) -> None:  # noqa: B027
+        """Undo ``sleep``."""
+
+    def close(self) -> None:  # noqa: B027
+        """Release the engine's model and memory."""
+
+    # -- shared ------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], **overrides: Any) -> RolloutBatch:
+        """Sample ``n`` responses per prompt. ``overrides``: any of ``SAMPLING_FIELDS`` for this call only."""
+        cfg = self.config.with_overrides(**overrides)
+        seed = cfg.seed if "seed" in overrides else cfg.seed + self.calls
+        self.calls += 1
+        t0 = time.perf_counter()
+        ids = tokenize_prompts(prompts, self.tokenizer)
+        limit, why = prompt_limit(cfg, self.context_len)
+        keep, skipped = check_lengths(ids, limit, cfg.on_long_prompt, why)
+        t1 = time.perf_counter()
+        if not keep:
+            return RolloutBatch.empty(self.pad_token_id, skipped)
+        kept = [ids[i] for i in keep]
+        responses, logprobs, reasons = self._generate_ids(kept, cfg, seed)
+        t2 = time.perf_counter()
+        texts = (self.tokenizer.batch_decode(responses, skip_special_tokens=True) if self.tokenizer is not None
+                 else [""] * len(responses))
+        sample_prompts = [p for p in kept for _ in range(cfg.n)]
+        sample_index = [i for i in keep for _ in range(cfg.n)]
+        batch = assemble(sample_prompts, sample_index, responses, logprobs, reasons, texts,
+                         self.pad_token_id, skipped, {}, self.name)
+        batch.timings = {"prepare": t1 - t0, "generate": t2 - t1, "assemble": time.perf_counter() - t2}
+        return batch
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

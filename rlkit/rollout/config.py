@@ -1,0 +1,115 @@
+"""``Rollout``: what the Trainer is told about generation (engine, sampling, limits, engine memory).
+
+Plain data, no torch import: the config is checked when it is built, so a typo fails in the
+notebook cell that made it, not minutes later inside an engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlkit.errors import RlkitError
+
+ENGINES = ("auto", "vllm", "hf")
+ON_LONG_PROMPT = ("error", "skip")
+# The fields a single generate() call may override; the rest are fixed when the engine starts.
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids",
+                   "ignore_eos", "seed")
+
+
+class RolloutError(RlkitError, ValueError):
+    """A rollout setting or prompt that cannot work; the message names the value and the fix."""
+
+
+class PromptTooLongError(RolloutError):
+    """A prompt longer than ``max_prompt_len`` (or the model context); carries ``index`` and ``length``."""
+
+    def __init__(self, message: str, *, index: int, length: int, limit: int):
+        self.index, self.length, self.limit = index, length, limit
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """How to sample responses: engine, sampling parameters, prompt limits and engine options.
+
+    Log-prob convention (both engines): ``response_logprobs`` are log-probs of the sampled tokens under
+    ``softmax(logits / temperature)`` of the raw model logits -- the same number the actor recomputes with
+    a forward pass at the same temperature. top-k / top-p change which tokens can be drawn but are not
+    folded into the log-probs (HF exactly; vLLM reports its own processed log-probs, equal to this when
+    top_k/top_p are off). ``temperature=0`` means greedy decoding with log-probs at temperature 1.
+
+    >>> Rollout(engine="hf", n=4, max_new_tokens=32).n
+    4
+    >>> Rollout(temperature=-1)
+    Traceback (most recent call last):
+    ...
+    rlkit.rollout.config.RolloutError: temperature=-1 must be >= 0 (0 means greedy); e.g. temperature=1.0
+    """
+
+    engine: str = "auto"                 # "auto": vllm when importable, else hf
+    n: int = 1                           # samples per prompt (GRPO group size)
+    temperature: float = 1.0
+    top_p: float = 1.0                   # 1.0 = off
+    top_k: int = 0                       # 0 (or -1) = off
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = ()           # stop strings, matched in the response text only; kept in the output
+    stop_token_ids: tuple[int, ...] = ()  # extra end tokens besides the model's eos (e.g. <|im_end|>)
+    ignore_eos: bool = False             # always generate max_new_tokens (benchmarks)
+    seed: int = 0                        # call k of an engine uses seed + k unless a call passes seed=
+    max_prompt_len: int | None = None    # None: the model context minus max_new_tokens
+    on_long_prompt: str = "error"        # "error" raises PromptTooLongError; "skip" drops it and reports it
+    dtype: str = "auto"                  # "auto" (the checkpoint's), "float32", "bfloat16", "float16"
+    hf_batch_size: int | None = None     # HF: prompts per generate() call (None: all at once)
+    gpu_memory_utilization: float = 0.5  # vLLM on GPU: share of GPU memory for weights + KV cache
+    kv_cache_gb: float = 1.0             # vLLM on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    max_model_len: int | None = None     # vLLM: context it reserves KV for (None: prompt + new tokens)
+    enforce_eager: bool = True           # vLLM: no CUDA graphs / compile (fast start, what tests want)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed through to vllm.LLM(...)
+
+    def __post_init__(self):
+        # stop lists arrive as lists from users; keep them hashable tuples
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        self.check()
+
+    def check(self) -> None:
+        def bad(msg: str):
+            raise RolloutError(msg)
+
+        if self.engine not in ENGINES:
+            bad(f"engine={self.engine!r} is not an engine; choose one of {list(ENGINES)}")
+        if not isinstance(self.n, int) or self.n < 1:
+            bad(f"n={self.n!r} samples per prompt must be an integer >= 1; e.g. n=4 for GRPO")
+        if self.temperature < 0:
+            bad(f"temperature={self.temperature} must be >= 0 (0 means greedy); e.g. temperature=1.0")
+        if not 0 < self.top_p <= 1:
+            bad(f"top_p={self.top_p} must be in (0, 1]; use top_p=1.0 to turn it off")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad(f"top_k={self.top_k!r} must be an integer >= 0; use top_k=0 to turn it off")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            bad(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
+        if self.max_prompt_len is not None and self.max_prompt_len < 1:
+            bad(f"max_prompt_len={self.max_prompt_len} must be >= 1, or None for the model context")
+        if self.on_long_prompt not in ON_LONG_PROMPT:
+            bad(f"on_long_prompt={self.on_long_prompt!r}; choose one of {list(ON_LONG_PROMPT)}")
+        if self.hf_batch_size is not None and self.hf_batch_size < 1:
+            bad(f"hf_batch_size={self.hf_batch_size} must be >= 1, or None for one batch")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            bad(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]; e.g. 0.5")
+        if self.kv_cache_gb <= 0:
+            bad(f"kv_cache_gb={self.kv_cache_gb} must be > 0; e.g. kv_cache_gb=1")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad(f"stop={list(self.stop)!r} must be non-empty strings")
+
+    def with_overrides(self, **overrides: Any) -> Rollout:
+        """A copy with per-call sampling overrides (only ``SAMPLING_FIELDS``), checked again."""
+        unknown = sorted(set(overrides) - set(SAMPLING_FIELDS))
+        if unknown:
+            raise RolloutError(f"generate() got {unknown}, which a call cannot override; "
+                               f"per-call options are {list(SAMPLING_FIELDS)}")
+        return dataclasses.replace(self, **overrides) if overrides else self

@@ -1,0 +1,175 @@
+"""``HFEngine``: rollouts with transformers ``generate`` -- no extra install, fine for small models and tests.
+
+Each prompt is repeated ``n`` times and the rows are left-padded into one batch (or chunks of
+``hf_batch_size`` prompts) for one ``generate`` call. Log-probs come from the raw logits ``generate`` returns (``output_logits``),
+divided by the temperature and log-softmaxed: rlkit's convention, the number the actor recomputes.
+(``output_scores`` would instead hold the scores after top-k/top-p masking, which are -inf for tokens
+the actor's forward still gives a probability to.)
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+from rlkit.rollout.base import RolloutEngine, left_pad, named_tensor_items
+from rlkit.rollout.config import Rollout, RolloutError
+
+
+def _as_list(x) -> list[int]:
+    if x is None:
+        return []
+    return [int(t) for t in x] if isinstance(x, (list, tuple)) else [int(x)]
+
+
+def stop_string_end(tokens: list[int], tokenizer, stops: tuple[str, ...]) -> int | None:
+    """Length of the shortest prefix of ``tokens`` whose text contains a stop string, or None.
+
+    Only the response is searched (never prompt + response), the rule vLLM uses too."""
+    if not stops or not any(s in tokenizer.decode(tokens, skip_special_tokens=True) for s in stops):
+        return None
+    for t in range(1, len(tokens) + 1):
+        text = tokenizer.decode(tokens[:t], skip_special_tokens=True)
+        if any(s in text for s in stops):
+            return t
+    return None
+
+
+class _StopOnStrings(StoppingCriteria):
+    """Stops a row once its response text (not the prompt) contains a stop string."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...], prompt_width: int):
+        self.tokenizer, self.stops, self.prompt_width = tokenizer, stops, prompt_width
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_width:], skip_special_tokens=True)
+        return torch.tensor([any(s in t for s in self.stops) for t in texts], device=input_ids.device)
+
+
+class HFEngine(RolloutEngine):
+    """Rollouts with ``model.generate``; takes a loaded model or a path.
+
+    >>> from rlkit.models import tiny_lm
+    >>> eng = HFEngine(tiny_lm("qwen2", size="test"), n=2, max_new_tokens=8, seed=0)
+    >>> b = eng.generate(["12+7=", "3*4="])
+    >>> b.response_ids.shape[0], b.prompt_index.tolist()
+    (4, [0, 0, 1, 1])
+    """
+
+    name = "hf"
+
+    def __init__(self, model_or_path, tokenizer=None, config: Rollout | None = None, **options):
+        config = config or Rollout(engine="hf")
+        if options:
+            import dataclasses
+            config = dataclasses.replace(config, **options)
+        if isinstance(model_or_path, (str, bytes)) or hasattr(model_or_path, "__fspath__"):
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            path = str(model_or_path)
+            dtype = "auto" if config.dtype == "auto" else getattr(torch, config.dtype)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            if torch.cuda.is_available():
+                model = model.to("cuda")
+            tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
+        else:
+            model = model_or_path
+        self.model = model.eval()
+        self.device = next(model.parameters()).device
+        gen = model.generation_config
+        self.eos_ids = _as_list(gen.eos_token_id) or _as_list(getattr(tokenizer, "eos_token_id", None))
+        pad = gen.pad_token_id if gen.pad_token_id is not None else getattr(tokenizer, "pad_token_id", None)
+        pad = pad if pad is not None else (self.eos_ids[0] if self.eos_ids else 0)
+        super().__init__(config, tokenizer, getattr(model.config, "max_position_embeddings", None), int(pad))
+        if config.stop and tokenizer is None:
+            raise RolloutError(f"stop={list(config.stop)} needs a tokenizer; pass tokenizer= to HFEngine")
+
+    def _generation_config(self, cfg: Rollout) -> GenerationConfig:
+        sample = cfg.temperature > 0
+        # [] (not None) for "no end token": generate fills None from the model's generation_config
+        ends = ([] if cfg.ignore_eos else self.eos_ids) + list(cfg.stop_token_ids)
+        kw = dict(do_sample=sample, max_new_tokens=cfg.max_new_tokens,
+                  eos_token_id=ends, pad_token_id=self.pad_token_id, output_logits=True,
+                  return_dict_in_generate=True)
+        if sample:  # set every warper explicitly: HF's defaults include top_k=50
+            kw.update(temperature=cfg.temperature, top_k=max(cfg.top_k, 0), top_p=cfg.top_p)
+        return GenerationConfig(**kw)
+
+    @torch.no_grad()
+    def _generate_ids(self, prompts, cfg, seed):
+        temp = cfg.temperature if cfg.temperature > 0 else 1.0
+        ends = set(([] if cfg.ignore_eos else self.eos_ids) + list(cfg.stop_token_ids))
+        # each prompt repeated n times, adjacent (what num_return_sequences does, but greedy allows it too)
+        rows = [p for p in prompts for _ in range(cfg.n)]
+        chunk = (cfg.hf_batch_size or len(prompts)) * cfg.n
+        responses, logprobs, reasons = [], [], []
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):  # the seed must not move the caller's RNG
+            torch.manual_seed(seed)
+            for start in range(0, len(rows), chunk):
+                ids, mask = left_pad(rows[start:start + chunk], self.pad_token_id)
+                stopping = StoppingCriteriaList(
+                    [_StopOnStrings(self.tokenizer, cfg.stop, ids.shape[1])] if cfg.stop else [])
+                out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                          generation_config=self._generation_config(cfg),
+                                          stopping_criteria=stopping)
+                new = out.sequences[:, ids.shape[1]:]
+                # log-prob of each sampled token under softmax(raw logits / T), one step at a time so the
+                # (rows, vocab) float32 copy exists once, not per step
+                lp = torch.stack([F.log_softmax(step.float() / temp, dim=-1).gather(1, new[:, t:t + 1])[:, 0]
+                                  for t, step in enumerate(out.logits)], dim=1)
+                for row, row_lp in zip(new.tolist(), lp.tolist()):
+                    end, reason = len(row), "length"
+                    hit = next((t + 1 for t, tok in enumerate(row) if tok in ends), None)
+                    if hit is not None:
+                        end, reason = hit, "stop"
+                    s_end = stop_string_end(row[:end], self.tokenizer, cfg.stop) if cfg.stop else None
+                    if s_end is not None:
+                        end, reason = s_end, "stop"
+                    responses.append(row[:end])
+                    logprobs.append(row_lp[:end])
+                    reasons.append(reason)
+        return responses, logprobs, reasons
+
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Copy tensors (HF names, e.g. ``model.layers.0.mlp.up_proj.weight``) into the model in place.
+
+        >>> from rlkit.models import tiny_lm, load
+        >>> model, tok = load(tiny_lm("qwen2", size="test"))
+        >>> eng = HFEngine(model, tok)
+        >>> eng.load_weights(model.state_dict())["tensors"] == len(model.state_dict())
+        True
+        """
+        t0 = time.perf_counter()
+        state = self.model.state_dict()
+        nbytes, count = 0, 0
+        for name, t in named_tensor_items(named_tensors):
+            if name not in state:
+                raise RolloutError(f"load_weights got {name!r}, which this model does not have; expected HF "
+                                   f"checkpoint names such as {list(state)[:3]}")
+            if state[name].shape != t.shape:
+                raise RolloutError(f"load_weights: {name!r} has shape {tuple(t.shape)} but the model's is "
+                                   f"{tuple(state[name].shape)}; send full (gathered) tensors")
+            state[name].copy_(t)  # state_dict tensors share storage with the parameters
+            nbytes += t.numel() * t.element_size()
+            count += 1
+        return {"bytes": nbytes, "seconds": time.perf_counter() - t0, "tensors": count}
+
+    def sleep(self) -> None:
+        if self.device.type == "cuda":  # park weights on the host while the trainer uses the GPU
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        if self.device.type == "cuda":
+            self.model.to(self.device)
+
+    def close(self) -> None:
+        self.model = None
+        gc.collect()

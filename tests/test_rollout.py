@@ -1,0 +1,330 @@
+"""Rollout engines on a real tiny Qwen2: shapes, end handling, log-probs vs a forward pass, weight sync.
+
+The reference for every log-prob is an unpadded fp32 forward of prompt + response through a plain
+transformers model at the same temperature (rlkit's convention). HF tests run by default; vLLM tests need
+the ``vllm`` package (run them in /work/vllm-venv) and are marked slow.
+"""
+
+import time
+
+import pytest
+import torch
+
+from rlkit.models import load, tiny_lm
+from rlkit.rollout import HFEngine, PromptTooLongError, Rollout, RolloutError, make_engine, vllm_available
+
+PROMPTS = ["the quick brown fox", "12+7=", "what is the answer ? the answer is"]
+TOL = 1e-4  # fp32 log-prob agreement with a forward pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # tiny matmuls gain nothing from 2 threads, and on a busy 2-core box they lose a lot to oversubscription
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def path():
+    return tiny_lm("qwen2", size="test")
+
+
+@pytest.fixture(scope="module")
+def model_tok(path):
+    model, tok = load(path)
+    return model.eval(), tok
+
+
+def forward_logprobs(model, batch, temperature):
+    """Log-prob of each sampled token from one unpadded forward per sample (the actor's recomputation)."""
+    temperature = temperature or 1.0
+    out = torch.zeros_like(batch.response_logprobs)
+    with torch.no_grad():
+        for i in range(batch.num_samples):
+            prompt = batch.prompt_ids[i][batch.prompt_mask[i].bool()]
+            n = int(batch.response_lengths[i])
+            resp = batch.response_ids[i, :n]
+            logits = model(torch.cat([prompt, resp])[None]).logits[0, len(prompt) - 1:-1].float()
+            out[i, :n] = torch.log_softmax(logits / temperature, -1).gather(1, resp[:, None])[:, 0]
+    return out
+
+
+def max_masked_diff(a, b, mask):
+    return (a - b)[mask.bool()].abs().max().item()
+
+
+# ---- config -----------------------------------------------------------------------------------------
+
+def test_config_errors_name_value_and_fix():
+    with pytest.raises(RolloutError, match=r"engine='sglang'.*choose one of"):
+        Rollout(engine="sglang")
+    with pytest.raises(RolloutError, match=r"n=0 samples"):
+        Rollout(n=0)
+    with pytest.raises(RolloutError, match=r"top_p=0"):
+        Rollout(top_p=0)
+    with pytest.raises(RolloutError, match=r"on_long_prompt='truncate'"):
+        Rollout(on_long_prompt="truncate")
+    with pytest.raises(RolloutError, match=r"\['dtype'\].*per-call options"):
+        Rollout().with_overrides(dtype="float16")
+    assert Rollout(stop="\n").stop == ("\n",)  # a single string is one stop string, not characters
+
+
+# ---- HF engine --------------------------------------------------------------------------------------
+
+def test_hf_n_samples_shapes_and_masks(model_tok):
+    model, tok = model_tok
+    eng = HFEngine(model, tok, n=3, max_new_tokens=6, seed=0)
+    b = eng.generate(PROMPTS)
+    lens = [len(tok(p)["input_ids"]) for p in PROMPTS]
+    assert b.num_samples == 9 and b.prompt_index.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert b.prompt_ids.shape == (9, max(lens)) and b.response_ids.shape[1] <= 6
+    for i in range(9):  # left-padded prompts are exactly the tokenized prompt of their group
+        p = int(b.prompt_index[i])
+        assert b.prompt_mask[i].sum() == lens[p]
+        assert b.prompt_ids[i][b.prompt_mask[i].bool()].tolist() == tok(PROMPTS[p])["input_ids"]
+    # the response mask is a prefix of ones; log-probs are <= 0 inside and exactly 0 outside it
+    n = b.response_lengths
+    assert torch.equal(b.response_mask, (torch.arange(b.response_ids.shape[1]) < n[:, None]).long())
+    assert (b.response_logprobs[b.response_mask.bool()] <= 0).all()
+    assert (b.response_logprobs[~b.response_mask.bool()] == 0).all()
+    assert b.texts == tok.batch_decode([r[:k] for r, k in zip(b.response_ids.tolist(), n.tolist())],
+                                       skip_special_tokens=True)
+    # samples of one prompt differ (sampling, not n copies of one sequence)
+    assert len({tuple(r) for r in b.response_ids[:3].tolist()}) > 1
+    assert b.input_ids.shape == b.attention_mask.shape == (9, b.prompt_ids.shape[1] + b.response_ids.shape[1])
+    assert b.tokens_per_s > 0 and b.timings["generate"] > 0
+    chunked = HFEngine(model, tok, n=3, max_new_tokens=6, hf_batch_size=2).generate(PROMPTS)
+    assert chunked.prompt_index.tolist() == b.prompt_index.tolist()  # 2 generate calls, same layout
+    assert max_masked_diff(chunked.response_logprobs, forward_logprobs(model, chunked, 1.0),
+                           chunked.response_mask) < TOL
+
+
+@pytest.mark.parametrize("temperature,top_k", [(1.0, 0), (0.7, 0), (0.7, 20), (0.0, 0)])
+def test_hf_logprobs_equal_forward(model_tok, temperature, top_k):
+    """Generate's log-probs == forward at the same temperature (top-k changes what is drawn, not the
+    log-prob convention); greedy picks the forward's argmax."""
+    model, tok = model_tok
+    eng = HFEngine(model, tok, n=2, max_new_tokens=12, temperature=temperature, top_k=top_k, seed=1)
+    b = eng.generate(PROMPTS)
+    ref = forward_logprobs(model, b, temperature)
+    assert max_masked_diff(b.response_logprobs, ref, b.response_mask) < TOL
+    if top_k:  # every drawn token is in the forward's top-k
+        with torch.no_grad():
+            prompt = b.prompt_ids[0][b.prompt_mask[0].bool()]
+            logits = model(torch.cat([prompt, b.response_ids[0]])[None]).logits[0, len(prompt) - 1:-1]
+        ranks = (logits > logits.gather(1, b.response_ids[0][:, None])).sum(-1)
+        assert (ranks[: int(b.response_lengths[0])] < top_k).all()
+    if temperature == 0:
+        assert torch.equal(b.response_ids[0], b.response_ids[1])  # greedy: the n samples coincide
+
+
+def test_hf_end_tokens_stop_the_response(model_tok):
+    """Replaying a seed with an extra end token: each sample is cut right after its first occurrence."""
+    model, tok = model_tok
+    eng = HFEngine(model, tok, n=4, max_new_tokens=16, ignore_eos=True)
+    free = eng.generate(PROMPTS, seed=5)
+    assert (free.response_lengths == 16).all() and set(free.finish_reason) == {"length"}
+    end = int(free.response_ids[0, 4])  # a token sample 0 draws at step 5
+    cut = eng.generate(PROMPTS, seed=5, stop_token_ids=[end])
+    stopped = 0
+    for i, row in enumerate(free.response_ids.tolist()):
+        k = row.index(end) + 1 if end in row else 16
+        assert cut.response_lengths[i] == k
+        assert cut.response_ids[i, :k].tolist() == row[:k]
+        assert cut.finish_reason[i] == ("stop" if end in row else "length")
+        assert torch.allclose(cut.response_logprobs[i, :k], free.response_logprobs[i, :k], atol=1e-6)
+        assert (cut.response_mask[i, k:] == 0).all()
+        stopped += end in row
+    assert stopped >= 1 and cut.response_lengths[0] == 5
+
+
+def test_hf_model_eos_ends_response_unless_ignore_eos(model_tok):
+    """The model's own eos (from generation_config) ends a row; ignore_eos really ignores it, also in a
+    batch where other rows keep going (no pad tokens counted as response)."""
+    model, tok = model_tok
+    greedy = dict(temperature=0.0, max_new_tokens=8)
+    free = HFEngine(model, tok, ignore_eos=True, **greedy).generate(PROMPTS)
+    eos = int(free.response_ids[0, 1])  # what prompt 0 greedily emits second
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = eos
+    try:
+        eng = HFEngine(model, tok, **greedy)
+        assert eng.eos_ids == [eos]
+        b = eng.generate(PROMPTS)
+        ignored = eng.generate(PROMPTS, ignore_eos=True)
+    finally:
+        model.generation_config.eos_token_id = saved
+    assert b.response_lengths[0] == 2 and b.finish_reason[0] == "stop"
+    assert torch.equal(ignored.response_ids, free.response_ids) and (ignored.response_lengths == 8).all()
+
+
+def test_hf_stop_strings_match_response_only(model_tok):
+    model, tok = model_tok
+    eng = HFEngine(model, tok, n=4, max_new_tokens=16)
+    b = eng.generate(PROMPTS, seed=2, stop=["e"])
+    assert "stop" in b.finish_reason
+    for i in range(b.num_samples):
+        toks = b.response_ids[i, : int(b.response_lengths[i])].tolist()
+        if b.finish_reason[i] == "stop":  # the stop string ends the response and is kept in it
+            assert "e" in tok.decode(toks, skip_special_tokens=True)
+            assert "e" not in tok.decode(toks[:-1], skip_special_tokens=True)
+        else:
+            assert len(toks) == 16 and "e" not in b.texts[i]
+
+
+def test_hf_seed_determinism(path, model_tok):
+    model, tok = model_tok
+    a = HFEngine(model, tok, n=2, max_new_tokens=8, seed=7)
+    b = HFEngine(model, tok, n=2, max_new_tokens=8, seed=7)
+    a1, a2, b1 = a.generate(PROMPTS), a.generate(PROMPTS), b.generate(PROMPTS)
+    assert torch.equal(a1.response_ids, b1.response_ids)  # same seed, same call -> same samples
+    assert torch.equal(a1.response_logprobs, b1.response_logprobs)
+    assert not torch.equal(a1.response_ids, a2.response_ids)  # the next call draws fresh samples
+    assert torch.equal(a.generate(PROMPTS, seed=3).response_ids, b.generate(PROMPTS, seed=3).response_ids)
+    state = torch.random.get_rng_state()
+    a.generate(PROMPTS)
+    assert torch.equal(state, torch.random.get_rng_state())  # the caller's RNG is left alone
+
+
+def test_hf_load_weights_changes_generation(path):
+    model, tok = load(path)  # own copy: this test changes its weights
+    trainer, _ = load(path)
+    eng = HFEngine(model, tok, n=2, max_new_tokens=10, temperature=0.8, ignore_eos=True)
+    before = eng.generate(PROMPTS, seed=4)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    stats = eng.load_weights(trainer.named_parameters())
+    assert stats["tensors"] == len(list(trainer.parameters()))
+    assert stats["bytes"] == sum(p.numel() * 4 for p in trainer.parameters())
+    after = eng.generate(PROMPTS, seed=4)
+    assert max_masked_diff(after.response_logprobs, forward_logprobs(trainer, after, 0.8), after.response_mask) < TOL
+    # the same seed now draws from the new weights: log-probs of the old samples moved
+    old_under_new = forward_logprobs(trainer, before, 0.8)
+    assert max_masked_diff(before.response_logprobs, old_under_new, before.response_mask) > 1e-2
+    with pytest.raises(RolloutError, match=r"'model.nope.weight'.*does not have"):
+        eng.load_weights([("model.nope.weight", torch.zeros(1))])
+    with pytest.raises(RolloutError, match=r"lm_head.weight.*shape \(3,\)"):
+        eng.load_weights({"lm_head.weight": torch.zeros(3)})
+
+
+def test_prompt_limits_error_or_skip(model_tok):
+    model, tok = model_tok
+    long = "the quick brown fox jumps over the lazy dog " * 4
+    n_long = len(tok(long)["input_ids"])
+    eng = HFEngine(model, tok, n=2, max_new_tokens=4, max_prompt_len=12)
+    with pytest.raises(PromptTooLongError, match=rf"prompt 1 has {n_long} tokens but at most 12.*max_prompt_len=12") as e:
+        eng.generate(["1+1=", long, "2+2="])
+    assert (e.value.index, e.value.length, e.value.limit) == (1, n_long, 12)
+    skip = HFEngine(model, tok, n=2, max_new_tokens=4, max_prompt_len=12, on_long_prompt="skip")
+    b = skip.generate(["1+1=", long, "2+2="])
+    assert b.skipped == [(1, n_long)] and b.prompt_index.tolist() == [0, 0, 2, 2]
+    assert skip.generate([long]).num_samples == 0
+    # no max_prompt_len: the model context (512) minus max_new_tokens is the limit
+    ctx = HFEngine(model, tok, max_new_tokens=4)
+    with pytest.raises(PromptTooLongError, match=r"prompt 0 has 20 tokens.*context 512 - max_new_tokens 500"):
+        ctx.generate([[5] * 20], max_new_tokens=500)
+    with pytest.raises(RolloutError, match=r"prompt 1 is empty"):
+        ctx.generate([[5, 6], []])
+    with pytest.raises(RolloutError, match=r"prompt 1 is str"):
+        ctx.generate([[5, 6], "text"])
+
+
+def test_make_engine_hf_and_token_prompts(path, model_tok):
+    eng = make_engine(Rollout(engine="hf", n=2, max_new_tokens=5, seed=0), path)
+    assert type(eng).__name__ == "HFEngine"
+    ids = [model_tok[1](p)["input_ids"] for p in PROMPTS]
+    # token-id prompts and text prompts are the same request
+    assert torch.equal(eng.generate(ids, seed=1).response_ids, eng.generate(PROMPTS, seed=1).response_ids)
+    if not vllm_available():
+        with pytest.raises(RolloutError, match=r"vllm is not installed.*engine='hf'"):
+            make_engine(Rollout(engine="vllm"), path)
+
+
+# ---- vLLM engine (in /work/vllm-venv: pytest -m slow tests/test_rollout.py -k vllm) -----------------
+
+# vLLM's CPU attention needs head_dim >= 32: the "test" size with 2 heads (head_dim 32, still GQA)
+VLLM_MODEL = dict(arch="qwen2", size="test", num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="module")
+def vllm_engine():
+    pytest.importorskip("vllm")
+    from rlkit.rollout import VLLMEngine
+
+    t = time.perf_counter()
+    eng = VLLMEngine(tiny_lm(**VLLM_MODEL), n=4, max_new_tokens=16, dtype="float32", kv_cache_gb=1, seed=0)
+    print(f"\nvLLM engine start {time.perf_counter() - t:.1f} s (LLM() {eng.start_seconds:.1f} s)")
+    yield eng
+    eng.close()
+
+
+@pytest.mark.slow
+def test_vllm_rejects_unsupported_head_dim():
+    pytest.importorskip("vllm")
+    from rlkit.rollout import VLLMEngine
+
+    with pytest.raises(RolloutError, match=r"head_dim=16 is not supported by vLLM on CPU"):
+        VLLMEngine(tiny_lm("qwen2", size="test"))
+
+
+@pytest.mark.slow
+def test_vllm_samples_and_logprobs_match_hf_forward(vllm_engine):
+    model, tok = load(tiny_lm(**VLLM_MODEL))
+    for temperature in (1.0, 0.7):
+        b = vllm_engine.generate(PROMPTS, temperature=temperature)
+        assert b.num_samples == 12 and b.prompt_index.tolist() == [i for i in range(3) for _ in range(4)]
+        assert len({tuple(r) for r in b.response_ids[:4].tolist()}) > 1
+        diff = max_masked_diff(b.response_logprobs, forward_logprobs(model, b, temperature), b.response_mask)
+        print(f"vLLM vs HF forward, T={temperature}: max |dlogp| = {diff:.2e}")
+        assert diff < TOL
+    # greedy fp32: vLLM and HF generate pick the same tokens
+    g = vllm_engine.generate(PROMPTS, temperature=0.0, n=1, ignore_eos=True)
+    h = HFEngine(model, tok, temperature=0.0, max_new_tokens=16, ignore_eos=True).generate(PROMPTS)
+    assert torch.equal(g.response_ids, h.response_ids)
+    assert max_masked_diff(g.response_logprobs, h.response_logprobs, g.response_mask) < TOL
+    # same seed, same samples; end tokens cut responses as in HF
+    s1, s2 = vllm_engine.generate(PROMPTS, seed=11), vllm_engine.generate(PROMPTS, seed=11)
+    assert torch.equal(s1.response_ids, s2.response_ids)
+    free = vllm_engine.generate(PROMPTS, seed=11, ignore_eos=True)
+    end = int(free.response_ids[0, 3])
+    cut = vllm_engine.generate(PROMPTS, seed=11, ignore_eos=True, stop_token_ids=[end])
+    assert cut.response_lengths[0] == 4 and cut.finish_reason[0] == "stop"
+    assert cut.response_ids[0, :4].tolist() == free.response_ids[0, :4].tolist()
+
+
+@pytest.mark.slow
+def test_vllm_weight_sync_follows_new_weights(vllm_engine):
+    """The proof that weight sync is right: after load_weights the engine's log-probs are the new
+    model's (to fp32 precision) and far from the old model's."""
+    old, _ = load(tiny_lm(**VLLM_MODEL))
+    new, _ = load(tiny_lm(**VLLM_MODEL))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    try:
+        stats = vllm_engine.load_weights(new.state_dict().items())
+        print(f"vLLM weight sync: {stats['bytes'] / 2**20:.2f} MiB in {stats['seconds'] * 1e3:.1f} ms")
+        b = vllm_engine.generate(PROMPTS, temperature=1.0)
+        to_new = max_masked_diff(b.response_logprobs, forward_logprobs(new, b, 1.0), b.response_mask)
+        to_old = max_masked_diff(b.response_logprobs, forward_logprobs(old, b, 1.0), b.response_mask)
+        print(f"after sync: max |dlogp| vs new weights {to_new:.2e}, vs old weights {to_old:.2e}")
+        assert to_new < TOL and to_old > 1e-2
+        with pytest.raises(RolloutError, match=r"model.nope.weight.*does not have"):
+            vllm_engine.load_weights([("model.nope.weight", torch.zeros(1))])
+    finally:  # put the original weights back for other tests on this engine
+        vllm_engine.load_weights(old.state_dict().items())
+    b = vllm_engine.generate(PROMPTS)
+    assert max_masked_diff(b.response_logprobs, forward_logprobs(old, b, 1.0), b.response_mask) < TOL
+
+
+@pytest.mark.slow
+def test_vllm_throughput(vllm_engine):
+    prompts = (PROMPTS * 11)[:32]
+    vllm_engine.generate(prompts[:4], max_new_tokens=4)  # warm-up
+    b = vllm_engine.generate(prompts, n=4, max_new_tokens=32, ignore_eos=True)
+    assert b.num_tokens == 32 * 4 * 32
+    print(f"vLLM 32 prompts x n=4 x 32 tokens: {b.timings['generate']:.2f} s, {b.tokens_per_s:.0f} tok/s")
