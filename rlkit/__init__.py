@@ -31,6 +31,8 @@ _LAZY = {
     "Cluster": "rlkit.cluster",
     "WorkerGroup": "rlkit.workers",
     "Rollout": "rlkit.rollout",
+    "Trainer": "rlkit.trainer",
+    "TrainerConfig": "rlkit.trainer",
     "ParallelModel": "rlkit.parallel",
     "rollout": "rlkit.rollout",
     "workers": "rlkit.workers",

@@ -24,7 +24,7 @@ import random
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -318,20 +318,21 @@ class ParallelModel:
         return root
 
     # ---- full weights out --------------------------------------------------------------------------
-    def iter_full_weights(self, to: str | int = "all") -> Iterator[tuple[str, torch.Tensor | None]]:
+    def iter_full_weights(self, to: str | int | Iterable[int] = "all") -> Iterator[tuple[str, torch.Tensor | None]]:
         """Yield ``(hf_name, full tensor)`` one parameter at a time, on CPU, from any layout.
 
-        ``to="all"``: every rank receives every tensor; ``to=0``: only rank 0 does (others get
-        None). Every rank must iterate to the end (the gathers are collectives). A rank never
+        ``to="all"``: every rank receives every tensor; ``to=0`` (or a set of ranks, e.g. the
+        rollout engines' ranks): only those do (others get None). Every rank must iterate to the end (the gathers are collectives). A rank never
         holds more than one extra full tensor. Stats land in ``self.last_transfer``
         (bytes received by this rank, seconds).
         """
         t0, moved = time.perf_counter(), 0
         metas = self._param_meta()
-        dp_tp_zero = self.coords["dp"] == 0 and self.coords["tp"] == 0
+        targets = None if to == "all" else ({to} if isinstance(to, int) else set(to))
+        # A pipeline column joins the stage broadcasts when it holds a receiving rank.
+        want = targets is None or bool(targets & set(self.plan.group_of(self.rank, "pp")))
         mine = dict(self.named_parameters())
         for name, shape, dtype, owner in metas:
-            want = to == "all" or dp_tp_zero
             if owner == self.pp_rank:
                 p = mine[name]
                 t = full(p.detach())  # all-gather over this stage's dp x tp ranks
@@ -343,7 +344,7 @@ class ParallelModel:
                 dist.broadcast(t, src=src, group=self.pp_group)
                 if owner != self.pp_rank:
                     moved += t.numel() * t.element_size()
-            receive = to == "all" or self.rank == to
+            receive = targets is None or self.rank in targets
             yield name, (t.cpu() if receive else None)
         self.last_transfer = {"bytes": float(moved), "seconds": time.perf_counter() - t0}
 

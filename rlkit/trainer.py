@@ -1,0 +1,493 @@
+"""Trainer: the single controller. ``fit`` reads as the RL dataflow, one step at a time:
+
+    generate -> reward -> reference / values / old log-probs -> advantages -> update -> sync weights
+
+Distribution lives in the worker group (``rlkit.workers.rl.RLWorker`` on every rank of the actor's
+ParallelPlan); the algorithm lives here and in ``rlkit.algos`` as small functions on tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlkit.errors import RlkitError
+from rlkit.plan.topology import ParallelPlan
+from rlkit.rollout import Rollout
+
+# algorithm name -> (advantage estimator, needs a critic)
+ALGORITHMS = {"grpo": ("grpo", False), "drgrpo": ("drgrpo", False), "rloo": ("rloo", False),
+              "reinforce++": ("reinforce_pp", False), "reinforce++-baseline": ("reinforce_pp_baseline", False),
+              "ppo": ("gae", True)}
+
+
+class TrainerError(RlkitError, ValueError):
+    """A trainer input that cannot work (dataset, reward, sizes); the message names the value and the fix."""
+
+
+@dataclass
+class TrainerConfig:
+    """How the trainer steps. Defaults suit a laptop's CPU and a tiny model; see each field.
+
+    >>> TrainerConfig(prompts_per_step=8, lr=1e-3).prompts_per_step
+    8
+    """
+
+    prompts_per_step: int = 8            # prompts per step (each sampled Rollout.n times)
+    lr: float = 1e-5                     # actor learning rate (AdamW)
+    lr_warmup_steps: int = 0
+    lr_schedule: str = "constant"        # "constant" | "cosine" (decays to 10% over fit's steps)
+    epochs: int = 1                      # PPO epochs over each batch
+    minibatches: int = 1                 # optimizer steps per epoch (split of each DP rank's batch)
+    clip_low: float = 0.2
+    clip_high: float = 0.2               # > clip_low: DAPO clip-higher
+    dual_clip: float | None = None
+    loss_agg: str = "token-mean"
+    kl_coef: float = 0.0                 # 0: no reference model
+    kl_kind: str = "low_var_kl"
+    kl_in_reward: bool = False           # False: KL as a loss term (GRPO); True: penalty in the reward (PPO)
+    kl_target: float | None = None       # with kl_in_reward: adaptive controller (Ziegler et al. 2019)
+    entropy_coef: float = 0.0
+    max_grad_norm: float | None = 1.0
+    gamma: float = 1.0                   # GAE (ppo)
+    lam: float = 1.0
+    critic_lr: float = 1e-4
+    value_clip: float = 0.2
+    train_size: int = 1000               # rows taken from a Task's train split
+    seed: int = 0
+    run_dir: str | None = None           # metrics.jsonl, config.json, plots; None: ./runs/<time>
+    timeout_s: float = 600.0             # bound on each worker call
+    keep_samples: int = 512              # rows kept for samples()
+
+    def __post_init__(self) -> None:
+        for name in ("prompts_per_step", "epochs", "minibatches", "train_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise TrainerError(f"{name}={v!r} must be a positive integer")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise TrainerError(f"lr_schedule={self.lr_schedule!r}: choose 'constant' or 'cosine'")
+
+
+class RewardError(TrainerError):
+    """A reward function that raised or returned something other than one number per completion."""
+
+
+class Trainer:
+    """RL post-training of a causal LM on a Ray worker group.
+
+    Args:
+        model: a checkpoint folder or hub id (``rlkit.models.tiny_lm(...)`` builds one locally).
+        dataset: a task from ``rlkit.tasks`` or rows (list of dicts / DataFrame) with a ``prompt`` column.
+        reward: ``f(prompts, completions, **columns) -> list[float]``, or a list of ``(f, weight)``
+            (default: the task's ``reward``).
+        algorithm: one of ``ALGORITHMS`` (grpo, drgrpo, rloo, reinforce++, reinforce++-baseline, ppo).
+        plan: the actor's ParallelPlan (default: one rank).
+        rollout: sampling (default ``Rollout(n=4, max_new_tokens=16)``).
+        cluster: an ``rlkit.Cluster`` (default: an embedded local one).
+        config: a ``TrainerConfig``; keyword ``overrides`` change single fields.
+
+    >>> import rlkit
+    >>> trainer = rlkit.Trainer(model=rlkit.models.tiny_lm("qwen2", size="small"),   # doctest: +SKIP
+    ...     dataset=rlkit.tasks.repeat, algorithm="grpo", plan=rlkit.ParallelPlan(dp=2),
+    ...     rollout=rlkit.Rollout(engine="hf", n=8, max_new_tokens=16), lr=2e-3)
+    >>> trainer.fit(steps=40).tail(1)["reward/mean"]                               # doctest: +SKIP
+    """
+
+    def __init__(self, model: str, dataset: Any, reward: Any = None, algorithm: str = "grpo",
+                 plan: ParallelPlan | None = None, rollout: Rollout | None = None, cluster: Any = None,
+                 config: TrainerConfig | None = None, callbacks: Sequence[Callable] = (), **overrides: Any):
+        self.config = dataclasses.replace(config or TrainerConfig(), **overrides)
+        self.model_path = str(model)
+        self.algorithm = algorithm.lower()
+        if self.algorithm not in ALGORITHMS:
+            raise TrainerError(f"algorithm={algorithm!r} is not known; choose one of {sorted(ALGORITHMS)}")
+        self.estimator, self.use_critic = ALGORITHMS[self.algorithm]
+        self.plan = plan or ParallelPlan()
+        self.rollout = rollout or Rollout(n=4, max_new_tokens=16)
+        self.callbacks = list(callbacks)
+        self.task, self.rows = _rows_of(dataset, self.config)
+        self.reward_fns = _reward_fns(reward, self.task)
+        self._check_sizes()
+        self.prompt_len = self._prompt_len()
+        self.plan.validate(model=self.model_path)
+        self.step = 0
+        self._rows_log: list[dict[str, Any]] = []
+        self._samples: list[dict[str, Any]] = []
+        self.kl_ctl = _kl_controller(self.config)
+        self.run_dir = Path(self.config.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+        self.cluster = cluster
+        self.group = None
+        self._start_workers()
+
+    # ---- setup -----------------------------------------------------------------------------------
+    def _check_sizes(self) -> None:
+        c, p = self.config, self.plan
+        if c.prompts_per_step % p.dp:
+            raise TrainerError(f"prompts_per_step={c.prompts_per_step} must divide by dp={p.dp}; use a multiple "
+                               f"of {p.dp}")
+        per_rank = c.prompts_per_step // p.dp * self.rollout.n
+        need = c.minibatches * p.n_micro_batches
+        if per_rank % need:
+            raise TrainerError(f"each DP rank gets prompts_per_step/dp*n={per_rank} samples, which do not split "
+                               f"into minibatches*micro_batches={c.minibatches}*{p.n_micro_batches}; change "
+                               f"prompts_per_step, Rollout.n or the plan's micro_batches")
+        if self.algorithm in ("grpo", "drgrpo", "rloo", "reinforce++-baseline") and self.rollout.n < 2:
+            raise TrainerError(f"{self.algorithm} compares samples of the same prompt: set Rollout(n>=2), "
+                               f"got n={self.rollout.n}")
+
+    def _prompt_len(self) -> int:
+        from transformers import AutoConfig, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(self.model_path)
+        lengths = [len(ids) for ids in tok([r["prompt"] for r in self.rows])["input_ids"]]
+        context = getattr(AutoConfig.from_pretrained(self.model_path), "max_position_embeddings", None)
+        longest = max(range(len(lengths)), key=lengths.__getitem__)
+        if context and lengths[longest] + self.rollout.max_new_tokens > context:
+            raise TrainerError(f"prompt {longest} has {lengths[longest]} tokens; with max_new_tokens="
+                               f"{self.rollout.max_new_tokens} that exceeds the model context {context}; "
+                               f"shorten or drop it, or lower max_new_tokens")
+        return max(lengths)
+
+    def _start_workers(self) -> None:
+        from rlkit.cluster import Cluster
+        from rlkit.workers import WorkerGroup
+        from rlkit.workers.rl import RLWorker
+
+        if self.cluster is None:
+            self.cluster = Cluster(num_cpus=max(os.cpu_count() or 1, self.plan.world_size))
+        c = self.config
+        self.group = WorkerGroup(
+            self.cluster, self.plan, RLWorker, self.model_path, self.plan, rollout=self.rollout,
+            prompt_len=self.prompt_len, actor_lr=c.lr, critic_lr=c.critic_lr, max_grad_norm=c.max_grad_norm,
+            need_ref=c.kl_coef > 0, need_critic=self.use_critic, seed=c.seed, timeout_s=c.timeout_s,
+            name="rl", cpus_per_worker=min(1.0, self.cluster.num_devices / self.plan.world_size))
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def fit(self, steps: int, *, view: str = "auto"):
+        """Run ``steps`` RL steps (continuing from ``self.step``); returns ``metrics``."""
+        from rlkit.widgets.live import LiveView, save_plots
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps(self._state_config(), indent=2, default=str))
+        self._total = self.step + steps
+        live = LiveView(self._total, mode=view, title=f"{self.algorithm} on {self.plan.describe()}")
+        try:
+            for _ in range(steps):
+                row = self.train_step()
+                live.update(row)
+                for cb in self.callbacks:
+                    cb(self, row)
+        finally:
+            live.close()
+            save_plots(self._rows_log, self.run_dir)
+        return self.metrics
+
+    def train_step(self) -> dict[str, float]:
+        """One step of the dataflow; returns its metrics row."""
+        c, t = self.config, {}
+        t_step = time.perf_counter()
+        prompts = self._next_prompts()
+        with _timer(t, "generate"):
+            gen = self._generate(prompts, seed=c.seed * 100_003 + self.step)
+        with _timer(t, "reward"):
+            scores = self._score(gen)
+        batch = {k: gen[k] for k in ("input_ids", "attention_mask", "response_mask")}
+        mask = batch["response_mask"]
+        valid = torch.isfinite(scores)
+        mask *= valid[:, None].float()  # samples whose reward is NaN are skipped (counted below)
+        scores = torch.nan_to_num(scores, nan=0.0)
+        if self.config.kl_coef > 0:
+            with _timer(t, "ref"):
+                batch.update(self.group.call_dp("compute", batch, "ref", timeout=c.timeout_s))
+        if self.use_critic:
+            with _timer(t, "values"):
+                batch.update(self.group.call_dp("compute", batch, "values", timeout=c.timeout_s))
+        if c.epochs > 1 or c.minibatches > 1:  # ratio != 1 after the first optimizer step: keep pi_old
+            with _timer(t, "old_logprobs"):
+                batch["old_logprobs"] = self.group.call_dp("compute", batch, "actor", timeout=c.timeout_s)["logprobs"]
+        with _timer(t, "advantage"):
+            kl_mean = self._advantages(batch, scores, gen["uid"])
+        cfg = self._update_config()
+        with _timer(t, "update"):
+            if self.use_critic:
+                critic = _mean_dicts(self.group.call_dp("update_critic", batch, cfg, timeout=c.timeout_s))
+            actor = _mean_dicts(self.group.call_dp("update_actor", batch, cfg, timeout=c.timeout_s))
+        with _timer(t, "sync"):
+            sync = self.group.call("sync_weights", timeout=c.timeout_s)
+        self.step += 1
+        lengths = mask.sum(1)
+        row = {"step": self.step, "reward/mean": scores[valid].mean().item() if valid.any() else math.nan,
+               "reward/std": scores[valid].std().item() if valid.sum() > 1 else 0.0,
+               "reward/skipped": int((~valid).sum()), "response_length/mean": lengths.mean().item(),
+               "advantages/mean": _masked(batch["advantages"], mask, "mean"),
+               "advantages/std": _masked(batch["advantages"], mask, "std"),
+               "entropy": actor.get("actor/entropy", math.nan), "actor/lr": cfg["lr"], **actor,
+               **({} if not self.use_critic else critic)}
+        if kl_mean is not None:
+            row["kl"] = kl_mean
+        elif "actor/kl_loss" in actor:
+            row["kl"] = actor["actor/kl_loss"]
+        row.update({f"timing/{k}": v for k, v in t.items()})
+        row["timing/step"] = time.perf_counter() - t_step
+        row["tokens_per_s"] = float(gen["attention_mask"].sum()) / row["timing/step"]
+        row["sync/bytes"] = max(s["bytes"] for s in sync)
+        row["sync/seconds"] = max(s["seconds"] for s in sync)
+        rss = self.group.call("rss_gb", timeout=c.timeout_s)
+        row["memory/rss_max_gb"] = max(rss)
+        row.update({f"memory/rss_gb/rank{r}": v for r, v in enumerate(rss)})
+        self._log(row, prompts, gen, scores)
+        return row
+
+    # ---- the dataflow's pieces -------------------------------------------------------------------
+    def _next_prompts(self) -> list[dict[str, Any]]:
+        """The next ``prompts_per_step`` rows, epoch by epoch in a seeded order (resumable from step)."""
+        n, k = len(self.rows), self.config.prompts_per_step
+        out = []
+        for i in range(self.step * k, self.step * k + k):
+            epoch, pos = divmod(i, n)
+            order = list(range(n))
+            random.Random(self.config.seed * 7_919 + epoch).shuffle(order)
+            out.append(dict(self.rows[order[pos]], _row=order[pos]))
+        return out
+
+    def _generate(self, prompts: list[dict[str, Any]], seed: int, **overrides: Any) -> dict[str, Any]:
+        from rlkit.workers.batch import concat_batches
+
+        req = {"prompt": [p["prompt"] for p in prompts], "uid": list(range(len(prompts))),
+               "row": [p["_row"] for p in prompts]}
+        parts = self.group.call_dp("generate", req, seed, timeout=self.config.timeout_s, **overrides)
+        gen = concat_batches(parts) if isinstance(parts, list) else parts
+        gen["columns"] = {k: [prompts[u][k] for u in gen["uid"]] for k in prompts[0] if k not in ("_row",)}
+        return gen
+
+    def _score(self, gen: dict[str, Any]) -> torch.Tensor:
+        cols = dict(gen["columns"])
+        prompts = cols.pop("prompt")
+        total = torch.zeros(len(prompts), dtype=torch.float64)
+        for fn, weight in self.reward_fns:
+            name = getattr(fn, "__qualname__", repr(fn))
+            try:
+                values = fn(prompts, gen["completion"], **cols)
+            except Exception as e:
+                raise RewardError(f"reward function {name} raised {type(e).__name__}: {e} (on a batch of "
+                                  f"{len(prompts)} completions; first: {gen['completion'][0]!r})") from e
+            if not isinstance(values, (list, tuple)) and not torch.is_tensor(values):
+                raise RewardError(f"reward function {name} returned {type(values).__name__}; it must return a "
+                                  f"list of floats, one per completion ({len(prompts)})")
+            if len(values) != len(prompts):
+                raise RewardError(f"reward function {name} returned {len(values)} values for {len(prompts)} "
+                                  f"completions; return one float per completion")
+            try:
+                vals = torch.tensor([float("nan") if v is None else float(v) for v in values], dtype=torch.float64)
+            except (TypeError, ValueError) as e:
+                raise RewardError(f"reward function {name} returned a non-number: {e}") from e
+            total += weight * vals
+        return total.float()
+
+    def _advantages(self, batch: dict[str, Any], scores: torch.Tensor, uids: list[int]) -> float | None:
+        from rlkit.algos import apply_kl_penalty, compute_advantages, kl_penalty, last_token_rewards
+
+        c, mask = self.config, batch["response_mask"]
+        rewards, kl_mean = scores, None
+        if c.kl_coef > 0 and c.kl_in_reward:
+            # KL against the policy that sampled: its log-probs are the rollout's (or pi_old's)
+            lp = batch.get("old_logprobs")
+            if lp is None:
+                lp = self.group.call_dp("compute", batch, "actor", timeout=c.timeout_s)["logprobs"]
+            rewards, kl_mean = apply_kl_penalty(last_token_rewards(scores, mask), lp, batch["ref_logprobs"], mask,
+                                                self.kl_ctl, kind="k1")
+            self.kl_ctl.update(kl_mean, len(scores))
+        elif c.kl_coef > 0 and "old_logprobs" in batch:
+            kl_mean = _masked(kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], c.kl_kind), mask, "mean")
+        opts = {"gamma": c.gamma, "lam": c.lam} if self.estimator == "gae" else {}
+        adv, returns = compute_advantages(self.estimator, rewards, mask, values=batch.get("values"),
+                                          group_ids=uids, **opts)
+        batch["advantages"], batch["returns"] = adv * mask, returns
+        return kl_mean
+
+    def _update_config(self) -> dict[str, Any]:
+        c = self.config
+        lr = c.lr
+        if c.lr_warmup_steps and self.step < c.lr_warmup_steps:
+            lr = c.lr * (self.step + 1) / c.lr_warmup_steps
+        elif c.lr_schedule == "cosine":
+            total = max(getattr(self, "_total", self.step + 1), 1)
+            frac = min(1.0, (self.step - c.lr_warmup_steps) / max(1, total - c.lr_warmup_steps))
+            lr = c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        return {"lr": lr, "epochs": c.epochs, "minibatches": c.minibatches, "clip_low": c.clip_low,
+                "clip_high": c.clip_high, "dual_clip": c.dual_clip, "loss_agg": c.loss_agg,
+                "kl_loss_coef": 0.0 if c.kl_in_reward else c.kl_coef, "kl_kind": c.kl_kind,
+                "entropy_coef": c.entropy_coef, "value_clip": c.value_clip}
+
+    # ---- results ---------------------------------------------------------------------------------
+    def _log(self, row: dict[str, Any], prompts: list[dict[str, Any]], gen: dict[str, Any],
+             scores: torch.Tensor) -> None:
+        self._rows_log.append(row)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        for i, u in enumerate(gen["uid"]):
+            self._samples.append({"step": self.step, "prompt": prompts[u]["prompt"],
+                                  "completion": gen["completion"][i], "reward": float(scores[i])})
+        del self._samples[:-self.config.keep_samples]
+
+    @property
+    def metrics(self):
+        """One row per step (a DataFrame)."""
+        import pandas as pd
+
+        return pd.DataFrame(self._rows_log)
+
+    def samples(self, last: int | None = None):
+        """Prompts, completions and rewards of recent steps (a DataFrame)."""
+        import pandas as pd
+
+        df = pd.DataFrame(self._samples)
+        return df if last is None or df.empty else df[df.step > self.step - last]
+
+    def evaluate(self, dataset: Any = None, n: int = 64, greedy: bool = True) -> dict[str, float]:
+        """Mean reward (and exact-match rate: reward == 1) of the current policy on held-out prompts."""
+        if dataset is None and self.task is not None:
+            rows = list(self.task.dataset(n=n, seed=self.config.seed + 1, split="test"))
+        else:
+            _, rows = _rows_of(dataset if dataset is not None else self.rows, self.config)
+        rows = [dict(r, _row=i) for i, r in enumerate(rows[:n])]
+        rows = rows[:len(rows) - len(rows) % self.plan.dp] or rows
+        overrides = {"n": 1, **({"temperature": 0.0} if greedy else {})}
+        gen = self._generate(rows, seed=10**6 + self.step, **overrides)
+        scores = self._score(gen)
+        ok = torch.isfinite(scores)
+        return {"reward": scores[ok].mean().item(), "exact": (scores[ok] == 1).float().mean().item(),
+                "n": int(ok.sum())}
+
+    # ---- save / load -----------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> str:
+        """Actor (and critic) sharded state + trainer state; atomic (temp folder renamed into place)."""
+        path = Path(path).absolute()
+        tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        tmp.mkdir(parents=True)
+        try:
+            self.group.call("save", str(tmp), timeout=self.config.timeout_s)
+            state = {"step": self.step, "rows": self._rows_log, "kl_coef": getattr(self.kl_ctl, "value", None),
+                     **self._state_config()}
+            (tmp / "trainer.json").write_text(json.dumps(state, default=str))
+            if path.exists():
+                old = path.with_name(f"{path.name}.old-{uuid.uuid4().hex[:8]}")
+                os.replace(path, old)
+                shutil.rmtree(old, ignore_errors=True)
+            os.replace(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return str(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, dataset: Any, reward: Any = None, cluster: Any = None,
+             callbacks: Sequence[Callable] = (), **overrides: Any) -> Trainer:
+        """Resume from ``save``: same model, plan, rollout and config; pass the same dataset and reward."""
+        path = Path(path)
+        state = json.loads((path / "trainer.json").read_text())
+        config = TrainerConfig(**{**state["config"], **overrides})
+        self = cls(state["model"], dataset, reward, state["algorithm"], plan=ParallelPlan(**state["plan"]),
+                   rollout=Rollout(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["rollout"].items()}),
+                   cluster=cluster, config=config, callbacks=callbacks)
+        self.group.call("load", str(path.absolute()), timeout=config.timeout_s)
+        self.step, self._rows_log = state["step"], state["rows"]
+        if state.get("kl_coef") is not None and hasattr(self.kl_ctl, "value"):
+            self.kl_ctl.value = state["kl_coef"]
+        return self
+
+    def _state_config(self) -> dict[str, Any]:
+        plan = {f.name: getattr(self.plan, f.name) for f in dataclasses.fields(self.plan) if f.init}
+        return {"model": self.model_path, "algorithm": self.algorithm, "plan": plan,
+                "rollout": dataclasses.asdict(self.rollout), "config": dataclasses.asdict(self.config)}
+
+    def close(self) -> None:
+        """Stop the worker group (the cluster stays up)."""
+        if self.group is not None:
+            try:
+                self.group.call("close", timeout=30)
+            except Exception:
+                pass
+            self.group.shutdown()
+            self.group = None
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ---- helpers ---------------------------------------------------------------------------------------
+@contextmanager
+def _timer(t: dict[str, float], name: str):
+    t0 = time.perf_counter()
+    yield
+    t[name] = t.get(name, 0.0) + time.perf_counter() - t0
+
+
+def _rows_of(dataset: Any, config: TrainerConfig) -> tuple[Any, list[dict[str, Any]]]:
+    task = None
+    if hasattr(dataset, "dataset") and hasattr(dataset, "reward"):
+        task, dataset = dataset, dataset.dataset(n=config.train_size, seed=config.seed, split="train")
+    if hasattr(dataset, "to_dict") and hasattr(dataset, "columns"):  # a DataFrame
+        dataset = dataset.to_dict("records")
+    rows = [dict(r) for r in dataset]
+    if not rows:
+        raise TrainerError("the dataset is empty; give at least one row with a 'prompt'")
+    bad = next((i for i, r in enumerate(rows) if not isinstance(r.get("prompt"), str) or not r["prompt"]), None)
+    if bad is not None:
+        raise TrainerError(f"dataset row {bad} has no non-empty 'prompt' string: {rows[bad]!r}")
+    return task, rows
+
+
+def _reward_fns(reward: Any, task: Any) -> list[tuple[Callable, float]]:
+    if reward is None:
+        if task is None:
+            raise TrainerError("no reward: pass reward=f(prompts, completions, **columns) -> list[float]")
+        return [(task.reward, 1.0)]
+    if callable(reward):
+        return [(reward, 1.0)]
+    fns = [(f, float(w)) for f, w in (reward.items() if isinstance(reward, dict) else reward)]
+    bad = [f for f, _ in fns if not callable(f)]
+    if bad:
+        raise TrainerError(f"reward {bad[0]!r} is not callable; give f(prompts, completions, **columns)")
+    return fns
+
+
+def _kl_controller(config: TrainerConfig):
+    from rlkit.algos import AdaptiveKLController, FixedKLController
+
+    if config.kl_target is not None:
+        return AdaptiveKLController(config.kl_coef, config.kl_target, horizon=10_000)
+    return FixedKLController(config.kl_coef)
+
+
+def _mean_dicts(parts: Any) -> dict[str, float]:
+    parts = [p for p in (parts if isinstance(parts, list) else [parts]) if p]
+    keys = {k for p in parts for k in p}
+    return {k: sum(p[k] for p in parts if k in p) / sum(1 for p in parts if k in p) for k in sorted(keys)}
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor, what: str) -> float:
+    vals = x[mask.bool()]
+    if vals.numel() == 0:
+        return 0.0
+    return (vals.mean() if what == "mean" else vals.std() if vals.numel() > 1 else torch.tensor(0.0)).item()
+
+
+__all__ = ["ALGORITHMS", "RewardError", "Trainer", "TrainerConfig", "TrainerError"]
+

@@ -1,0 +1,187 @@
+"""RLWorker: one rank of the RL worker group (actor + rollout engine + reference + critic, colocated).
+
+This is the HybridEngine: the actor trains under its ParallelPlan, and the rollout engine lives on
+the same workers -- one engine per DP group, on that group's ``tp=0`` rank of the last pipeline
+stage (the rank ``WorkerGroup.call_dp`` collects results from). After each update the new weights
+stream out of the training layout one tensor at a time, only to the engine ranks, and are loaded
+into the engine in place.
+
+Sequences have one fixed layout for the whole run, so pipeline schedules are built once:
+``[prompt left-padded to P | response right-padded to R]``; response token ``j`` sits at column
+``P + j`` and is predicted from the hidden state at column ``P + j - 1``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlkit.algos import aggregate, kl_loss, masked_mean, policy_loss, value_loss
+from rlkit.parallel import ParallelModel
+from rlkit.plan.topology import ParallelPlan
+from rlkit.rollout import Rollout, make_engine
+
+
+class RLWorker:
+    """Per-rank RL roles. Created by ``WorkerGroup`` inside each actor (the process group exists)."""
+
+    def __init__(self, model_path: str, plan: ParallelPlan, *, rollout: Rollout, prompt_len: int,
+                 actor_lr: float, critic_lr: float = 1e-4, max_grad_norm: float | None = 1.0,
+                 need_ref: bool = False, need_critic: bool = False, seed: int = 0):
+        torch.manual_seed(seed)
+        self.plan, self.rank = plan, dist.get_rank()
+        self.P, self.R = prompt_len, rollout.max_new_tokens
+        common = dict(max_grad_norm=max_grad_norm, seed=seed, eps=1e-6)
+        self.actor = ParallelModel(model_path, plan, lr=actor_lr, **common)
+        self.ref = ParallelModel(model_path, plan, lr=0.0, **common) if need_ref else None
+        self.critic = ParallelModel(model_path, plan, head="value", lr=critic_lr, **common) if need_critic else None
+        c = plan.coords(self.rank)
+        self.dp_rank = c["dp"]
+        self.engine_ranks = sorted(plan.rank(dp=d, tp=0, pp=plan.pp - 1) for d in range(plan.dp))
+        self.engine = make_engine(rollout, model_path) if self.rank in self.engine_ranks else None
+        if self.engine is not None:
+            self.pad_id = self.engine.pad_token_id
+
+    # ---- rollout -------------------------------------------------------------------------------
+    def generate(self, batch: dict[str, Any], seed: int, **overrides: Any) -> dict[str, Any] | None:
+        """n samples per prompt of this DP group's prompts, laid out ``[P | R]``; None off the engine rank."""
+        if self.engine is None:
+            return None
+        out = self.engine.generate(list(batch["prompt"]), seed=seed + 7919 * self.dp_rank, **overrides)
+        n = out.response_ids.shape[0]
+        ids = torch.full((n, self.P + self.R), self.pad_id, dtype=torch.long)
+        attn = torch.zeros(n, self.P + self.R, dtype=torch.long)
+        p, r = out.prompt_ids.shape[1], out.response_ids.shape[1]
+        if p > self.P or r > self.R:
+            raise RuntimeError(f"rollout returned prompt length {p} > P={self.P} or response {r} > R={self.R}")
+        ids[:, self.P - p:self.P] = out.prompt_ids
+        attn[:, self.P - p:self.P] = out.prompt_mask
+        ids[:, self.P:self.P + r] = out.response_ids
+        resp_mask = torch.zeros(n, self.R)
+        resp_mask[:, :r] = out.response_mask.float()
+        attn[:, self.P:] = resp_mask.long()
+        lp = torch.zeros(n, self.R)
+        lp[:, :r] = out.response_logprobs
+        rows = out.prompt_index.tolist()
+        return {"input_ids": ids, "attention_mask": attn, "response_mask": resp_mask, "rollout_logprobs": lp,
+                "uid": [batch["uid"][i] for i in rows], "row": [batch["row"][i] for i in rows],
+                "completion": list(out.texts), "finish_reason": list(out.finish_reason),
+                "timing": out.timings.get("generate", 0.0)}
+
+    # ---- forward passes ------------------------------------------------------------------------
+    def compute(self, batch: dict[str, Any], what: str) -> dict[str, torch.Tensor]:
+        """Per-response-token ``logprobs`` + ``entropy`` (actor), ``ref_logprobs`` or ``values``."""
+        ids, attn = batch["input_ids"], batch["attention_mask"]
+        P, R = self.P, self.R
+        if what == "actor":
+            out = self.actor.logprobs(ids, attn)
+            return {"logprobs": out["logprobs"][:, P:P + R], "entropy": out["entropy"][:, P:P + R]}
+        if what == "ref":
+            return {"ref_logprobs": self.ref.logprobs(ids, attn)["logprobs"][:, P:P + R]}
+        if what == "values":  # V(state before token j) lives at column P + j - 1
+            return {"values": self.critic.values(ids, attn)["values"][:, P - 1:P + R - 1]}
+        raise ValueError(f"compute(what={what!r}): choose 'actor', 'ref' or 'values'")
+
+    # ---- updates -------------------------------------------------------------------------------
+    def update_actor(self, batch: dict[str, Any], cfg: dict[str, Any]) -> dict[str, float]:
+        """PPO-style epochs x mini-batches of clipped policy-gradient steps on this DP rank's chunk."""
+        for g in self.actor.optimizer.param_groups:
+            g["lr"] = cfg["lr"]
+        P, R = self.P, self.R
+        stats: list[dict[str, float]] = []
+
+        def loss_fn(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            lp, mask = out["logprobs"][:, P:P + R], mb["response_mask"]
+            old = mb["old_logprobs"] if "old_logprobs" in mb else lp.detach()
+            loss, m = policy_loss(lp, old, mb["advantages"], mask, clip_low=cfg["clip_low"],
+                                  clip_high=cfg["clip_high"], dual_clip=cfg["dual_clip"], agg=cfg["loss_agg"])
+            m["pg_loss"] = loss.item()
+            if cfg["kl_loss_coef"] and "ref_logprobs" in mb:
+                kl = kl_loss(lp, mb["ref_logprobs"], mask, kind=cfg["kl_kind"], agg=cfg["loss_agg"])
+                loss = loss + cfg["kl_loss_coef"] * kl
+                m["kl_loss"] = kl.item()
+            ent = out["entropy"][:, P:P + R]
+            if cfg["entropy_coef"]:
+                loss = loss - cfg["entropy_coef"] * aggregate(ent, mask, cfg["loss_agg"])
+            m["entropy"] = masked_mean(ent.detach(), mask).item()
+            stats.append(m)
+            return loss
+
+        results = []
+        for _epoch in range(cfg["epochs"]):
+            for mb in _split(batch, cfg["minibatches"]):
+                results.append(self.actor.train_step(mb, loss_fn))
+        return _summarize(results, stats, "actor")
+
+    def update_critic(self, batch: dict[str, Any], cfg: dict[str, Any]) -> dict[str, float]:
+        P, R = self.P, self.R
+        stats: list[dict[str, float]] = []
+
+        def loss_fn(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            v = out["values"][:, P - 1:P + R - 1]
+            loss, m = value_loss(v, mb["values"], mb["returns"], mb["response_mask"], clip=cfg["value_clip"])
+            stats.append(m)
+            return loss
+
+        results = []
+        for _epoch in range(cfg["epochs"]):
+            for mb in _split(batch, cfg["minibatches"]):
+                results.append(self.critic.train_step(mb, loss_fn))
+        return _summarize(results, stats, "critic")
+
+    # ---- weight sync (HybridEngine) ---------------------------------------------------------------
+    def sync_weights(self) -> dict[str, float]:
+        """Stream the actor's full weights into the engines; every rank takes part in the gathers."""
+        t0 = time.perf_counter()
+        stream = self.actor.iter_full_weights(to=self.engine_ranks)
+        if self.engine is not None:
+            self.engine.load_weights((n, t) for n, t in stream if t is not None)
+        for _ in stream:  # drain: the gathers are collectives
+            pass
+        moved = self.actor.last_transfer.get("bytes", 0.0)
+        return {"bytes": float(moved), "seconds": time.perf_counter() - t0}
+
+    # ---- state ---------------------------------------------------------------------------------
+    def save(self, path: str) -> str:
+        self.actor.save(Path(path) / "actor")
+        if self.critic is not None:
+            self.critic.save(Path(path) / "critic")
+        return path
+
+    def load(self, path: str) -> dict[str, float]:
+        self.actor.load(Path(path) / "actor")
+        if self.critic is not None:
+            self.critic.load(Path(path) / "critic")
+        return self.sync_weights()
+
+    def rss_gb(self) -> float:
+        import psutil
+
+        return psutil.Process(os.getpid()).memory_info().rss / 2**30
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def _split(batch: dict[str, Any], k: int) -> list[dict[str, Any]]:
+    n = next(v.shape[0] for v in batch.values() if torch.is_tensor(v))
+    if n % k:
+        raise ValueError(f"this DP rank's {n} samples do not split into minibatches={k}")
+    s = n // k
+    return [{key: v[i * s:(i + 1) * s] if torch.is_tensor(v) else v for key, v in batch.items()} for i in range(k)]
+
+
+def _summarize(results: list[dict[str, float]], stats: list[dict[str, float]], role: str) -> dict[str, float]:
+    out = {f"{role}/loss": sum(r["loss"] for r in results) / len(results),
+           f"{role}/grad_norm": sum(r["grad_norm"] for r in results) / len(results)}
+    keys = {k for s in stats for k in s}
+    for k in sorted(keys):  # stats exist on the last pipeline stage (where the loss runs)
+        vals = [float(s[k]) for s in stats if k in s]
+        out[f"{role}/{k}"] = sum(vals) / len(vals)
+    return out
