@@ -1,4 +1,4 @@
-"""The `rlkit` command: `rlkit doctor | plan | demo` (and `python -m rlkit ...`)."""
+"""The `rlkit` command: `rlkit doctor | plan | train | demo` (and `python -m rlkit ...`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="rlkit", description="RL post-training of LLMs, DP/TP/PP on Ray.")
-    sub = parser.add_subparsers(dest="command", metavar="{doctor,plan,demo}")
+    sub = parser.add_subparsers(dest="command", metavar="{doctor,plan,train,demo}")
     sub.add_parser("doctor", help="check the install: versions, devices, backends")
     sub.add_parser("plan", help="print a ParallelPlan's groups, layout and costs (rlkit plan --help)",
                    add_help=False)
+    train = sub.add_parser("train", help="an RL run from a JSON config file and/or flags")
+    _train_args(train)
     demo = sub.add_parser("demo", help="the README's main job on the embedded default")
     demo.add_argument("--quick", action="store_true", help="a shorter run (for tests)")
     if argv and argv[0] == "plan":  # its own parser owns its flags
@@ -24,11 +26,75 @@ def main(argv: list[str] | None = None) -> int:
         from rlkit.doctor import main as doctor_main
 
         return doctor_main()
+    if args.command == "train":
+        return _train(args)
     if args.command == "demo":
         from rlkit.demo import main as demo_main
 
         return demo_main(quick=args.quick)
     parser.print_help()
+    return 0
+
+
+# flag -> (config key, type); a JSON config file may hold the same keys, flags win
+TRAIN_KEYS = {"model": str, "task": str, "algorithm": str, "dp": int, "tp": int, "pp": int,
+              "micro_batches": int, "steps": int, "n": int, "max_new_tokens": int, "temperature": float,
+              "engine": str, "lr": float, "prompts_per_step": int, "kl_coef": float, "epochs": int,
+              "minibatches": int, "seed": int, "run_dir": str, "address": str, "sft_steps": int}
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="JSON file with any of the keys below (flags override it)")
+    for key, typ in TRAIN_KEYS.items():
+        p.add_argument("--" + key.replace("_", "-"), dest=key, type=typ, default=None)
+
+
+def _train(args: argparse.Namespace) -> int:
+    import json
+
+    cfg = {"model": "tiny-qwen2", "task": "repeat", "algorithm": "grpo", "dp": 1, "tp": 1, "pp": 1,
+           "steps": 20, "n": 8, "max_new_tokens": 16, "engine": "hf", "lr": 2e-3, "prompts_per_step": 8}
+    if args.config:
+        try:
+            loaded = json.loads(open(args.config).read())
+        except (OSError, ValueError) as e:
+            print(f"rlkit train: error: cannot read --config {args.config}: {e}", file=sys.stderr)
+            return 2
+        unknown = sorted(set(loaded) - set(TRAIN_KEYS))
+        if unknown:
+            print(f"rlkit train: error: unknown config keys {unknown}; known: {sorted(TRAIN_KEYS)}", file=sys.stderr)
+            return 2
+        cfg.update(loaded)
+    cfg.update({k: v for k, v in vars(args).items() if k in TRAIN_KEYS and v is not None})
+    import rlkit
+    from rlkit.errors import RlkitError
+
+    try:
+        model = cfg["model"]
+        if model.startswith("tiny-"):
+            model = rlkit.models.tiny_lm(model.split("-", 1)[1], size="small")
+        tasks = {"repeat": rlkit.tasks.repeat, "arithmetic": rlkit.tasks.arithmetic}
+        if cfg["task"] not in tasks:
+            raise RlkitError(f"task={cfg['task']!r}: choose one of {sorted(tasks)}")
+        task = tasks[cfg["task"]]
+        if cfg.get("sft_steps"):
+            model = rlkit.tasks.sft_warmstart(model, task, steps=cfg["sft_steps"])
+        plan = rlkit.ParallelPlan(dp=cfg["dp"], tp=cfg["tp"], pp=cfg["pp"], micro_batches=cfg.get("micro_batches"))
+        rollout = rlkit.Rollout(engine=cfg["engine"], n=cfg["n"], max_new_tokens=cfg["max_new_tokens"],
+                                temperature=cfg.get("temperature", 1.0))
+        extra = {k: cfg[k] for k in ("lr", "prompts_per_step", "kl_coef", "epochs", "minibatches", "seed", "run_dir")
+                 if cfg.get(k) is not None}
+        cluster = rlkit.Cluster(cfg["address"]) if cfg.get("address") else None
+        with rlkit.Trainer(model=model, dataset=task, algorithm=cfg["algorithm"], plan=plan, rollout=rollout,
+                           cluster=cluster, **extra) as trainer:
+            df = trainer.fit(steps=cfg["steps"])
+            cols = [c for c in ("step", "reward/mean", "kl", "entropy", "response_length/mean", "timing/step")
+                    if c in df.columns]
+            print(df[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+            print(f"run directory: {trainer.run_dir}")
+    except (RlkitError, ValueError) as e:
+        print(f"rlkit train: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
