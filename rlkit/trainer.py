@@ -220,7 +220,7 @@ class Trainer:
                 batch["old_logprobs"] = self.group.call_dp("compute", batch, "actor", timeout=c.timeout_s)["logprobs"]
         with _timer(t, "advantage"):
             kl_mean = self._advantages(batch, scores, gen["uid"])
-        cfg = self._update_config()
+        cfg = self.update_config()
         with _timer(t, "update"):
             if self.use_critic:
                 critic = _mean_dicts(self.group.call_dp("update_critic", batch, cfg, timeout=c.timeout_s))
@@ -318,7 +318,7 @@ class Trainer:
         batch["advantages"], batch["returns"] = adv * mask, returns
         return kl_mean
 
-    def _update_config(self) -> dict[str, Any]:
+    def update_config(self) -> dict[str, Any]:
         c = self.config
         lr = c.lr
         if c.lr_warmup_steps and self.step < c.lr_warmup_steps:

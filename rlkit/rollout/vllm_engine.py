@@ -103,7 +103,11 @@ class VLLMEngine(RolloutEngine):
                                f"the model's context {model_ctx}; lower max_prompt_len or max_new_tokens")
         if self.on_cpu:
             _check_cpu_head_dim(hf_cfg)
-        kwargs = dict(model=path, dtype=config.dtype, seed=config.seed, max_model_len=max_model_len,
+        dtype = config.dtype
+        if dtype == "auto":  # the checkpoint's own dtype: transformers 5 writes "dtype", vLLM reads "torch_dtype"
+            saved = getattr(hf_cfg, "dtype", None) or getattr(hf_cfg, "torch_dtype", None)
+            dtype = str(saved).replace("torch.", "") if saved is not None else "auto"
+        kwargs = dict(model=path, dtype=dtype, seed=config.seed, max_model_len=max_model_len,
                       enforce_eager=config.enforce_eager, distributed_executor_backend="uni",
                       logprobs_mode="processed_logprobs")
         if not self.on_cpu:
