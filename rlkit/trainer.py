@@ -97,6 +97,9 @@ class Trainer:
         plan: the actor's ParallelPlan (default: one rank).
         rollout: sampling (default ``Rollout(n=4, max_new_tokens=16)``).
         cluster: an ``rlkit.Cluster`` (default: an embedded local one).
+        placement: "colocated" (HybridEngine: one engine per DP group on the actor's workers, weights
+            streamed in place) or "split" (``rollout_workers`` engines on their own workers; weights
+            gathered to the actor's rank 0 and sent through Ray's object store).
         config: a ``TrainerConfig``; keyword ``overrides`` change single fields.
 
     >>> import rlkit
@@ -108,7 +111,8 @@ class Trainer:
 
     def __init__(self, model: str, dataset: Any, reward: Any = None, algorithm: str = "grpo",
                  plan: ParallelPlan | None = None, rollout: Rollout | None = None, cluster: Any = None,
-                 config: TrainerConfig | None = None, callbacks: Sequence[Callable] = (), **overrides: Any):
+                 config: TrainerConfig | None = None, callbacks: Sequence[Callable] = (),
+                 placement: str = "colocated", rollout_workers: int = 1, **overrides: Any):
         self.config = dataclasses.replace(config or TrainerConfig(), **overrides)
         self.model_path = str(model)
         self.algorithm = algorithm.lower()
@@ -118,6 +122,11 @@ class Trainer:
         self.plan = plan or ParallelPlan()
         self.rollout = rollout or Rollout(n=4, max_new_tokens=16)
         self.callbacks = list(callbacks)
+        if placement not in ("colocated", "split"):
+            raise TrainerError(f"placement={placement!r}: choose 'colocated' (HybridEngine) or 'split'")
+        if not isinstance(rollout_workers, int) or rollout_workers < 1:
+            raise TrainerError(f"rollout_workers={rollout_workers!r} must be a positive integer")
+        self.placement, self.rollout_workers = placement, rollout_workers
         self.task, self.rows = _rows_of(dataset, self.config)
         self.reward_fns = _reward_fns(reward, self.task)
         self._check_sizes()
@@ -129,7 +138,7 @@ class Trainer:
         self.kl_ctl = _kl_controller(self.config)
         self.run_dir = Path(self.config.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         self.cluster = cluster
-        self.group = None
+        self.group = self.rollout_group = None
         self._start_workers()
 
     # ---- setup -----------------------------------------------------------------------------------
@@ -164,16 +173,28 @@ class Trainer:
     def _start_workers(self) -> None:
         from rlkit.cluster import Cluster
         from rlkit.workers import WorkerGroup
-        from rlkit.workers.rl import RLWorker
+        from rlkit.workers.rl import RLWorker, RolloutWorker
 
+        split = self.placement == "split"
+        workers = self.plan.world_size + (self.rollout_workers if split else 0)
         if self.cluster is None:
-            self.cluster = Cluster(num_cpus=max(os.cpu_count() or 1, self.plan.world_size))
+            self.cluster = Cluster(num_cpus=max(os.cpu_count() or 1, workers))
         c = self.config
+        cpus = min(1.0, self.cluster.num_devices / workers)
         self.group = WorkerGroup(
             self.cluster, self.plan, RLWorker, self.model_path, self.plan, rollout=self.rollout,
             prompt_len=self.prompt_len, actor_lr=c.lr, critic_lr=c.critic_lr, max_grad_norm=c.max_grad_norm,
-            need_ref=c.kl_coef > 0, need_critic=self.use_critic, seed=c.seed, timeout_s=c.timeout_s,
-            name="rl", cpus_per_worker=min(1.0, self.cluster.num_devices / self.plan.world_size))
+            need_ref=c.kl_coef > 0, need_critic=self.use_critic, seed=c.seed, colocate_rollout=not split,
+            timeout_s=c.timeout_s, name="rl", cpus_per_worker=cpus)
+        if split:
+            try:
+                self.rollout_group = WorkerGroup(
+                    self.cluster, self.rollout_workers, RolloutWorker, self.model_path, rollout=self.rollout,
+                    prompt_len=self.prompt_len, seed=c.seed, init_process_group=False, timeout_s=c.timeout_s,
+                    name="rollout", cpus_per_worker=cpus)
+            except BaseException:
+                self.close()
+                raise
 
     # ---- the loop --------------------------------------------------------------------------------
     def fit(self, steps: int, *, view: str = "auto"):
@@ -226,7 +247,7 @@ class Trainer:
                 critic = _mean_dicts(self.group.call_dp("update_critic", batch, cfg, timeout=c.timeout_s))
             actor = _mean_dicts(self.group.call_dp("update_actor", batch, cfg, timeout=c.timeout_s))
         with _timer(t, "sync"):
-            sync = self.group.call("sync_weights", timeout=c.timeout_s)
+            sync = self._sync_weights()
         self.step += 1
         lengths = mask.sum(1)
         row = {"step": self.step, "reward/mean": scores[valid].mean().item() if valid.any() else math.nan,
@@ -246,6 +267,8 @@ class Trainer:
         row["sync/bytes"] = max(s["bytes"] for s in sync)
         row["sync/seconds"] = max(s["seconds"] for s in sync)
         rss = self.group.call("rss_gb", timeout=c.timeout_s)
+        if self.rollout_group is not None:
+            rss += self.rollout_group.call("rss_gb", timeout=c.timeout_s)
         row["memory/rss_max_gb"] = max(rss)
         row.update({f"memory/rss_gb/rank{r}": v for r, v in enumerate(rss)})
         self._log(row, prompts, gen, scores)
@@ -263,12 +286,25 @@ class Trainer:
             out.append(dict(self.rows[order[pos]], _row=order[pos]))
         return out
 
+    def _sync_weights(self) -> list[dict[str, float]]:
+        """Actor weights into the rollout engines: streamed in place (colocated), or gathered on the
+        actor's rank 0 and shipped through the object store once for all rollout workers (split)."""
+        if self.rollout_group is None:
+            return self.group.call("sync_weights", timeout=self.config.timeout_s)
+        import ray
+
+        t0 = time.perf_counter()
+        state = ray.put(self.group.call("full_weights", timeout=self.config.timeout_s)[0])
+        out = self.rollout_group.call("load_weights", state, timeout=self.config.timeout_s)
+        return [dict(s, seconds=time.perf_counter() - t0) for s in out]
+
     def _generate(self, prompts: list[dict[str, Any]], seed: int, **overrides: Any) -> dict[str, Any]:
         from rlkit.workers.batch import concat_batches
 
         req = {"prompt": [p["prompt"] for p in prompts], "uid": list(range(len(prompts))),
                "row": [p["_row"] for p in prompts]}
-        parts = self.group.call_dp("generate", req, seed, timeout=self.config.timeout_s, **overrides)
+        group = self.rollout_group or self.group
+        parts = group.call_dp("generate", req, seed, timeout=self.config.timeout_s, **overrides)
         gen = concat_batches(parts) if isinstance(parts, list) else parts
         gen["columns"] = {k: [prompts[u][k] for u in gen["uid"]] for k in prompts[0] if k not in ("_row",)}
         return gen
@@ -402,8 +438,11 @@ class Trainer:
         config = TrainerConfig(**{**state["config"], **overrides})
         self = cls(state["model"], dataset, reward, state["algorithm"], plan=ParallelPlan(**state["plan"]),
                    rollout=Rollout(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["rollout"].items()}),
-                   cluster=cluster, config=config, callbacks=callbacks)
+                   cluster=cluster, config=config, callbacks=callbacks, placement=state.get("placement", "colocated"),
+                   rollout_workers=state.get("rollout_workers", 1))
         self.group.call("load", str(path.absolute()), timeout=config.timeout_s)
+        if self.rollout_group is not None:
+            self._sync_weights()
         self.step, self._rows_log = state["step"], state["rows"]
         if state.get("kl_coef") is not None and hasattr(self.kl_ctl, "value"):
             self.kl_ctl.value = state["kl_coef"]
@@ -411,18 +450,21 @@ class Trainer:
 
     def _state_config(self) -> dict[str, Any]:
         plan = {f.name: getattr(self.plan, f.name) for f in dataclasses.fields(self.plan) if f.init}
-        return {"model": self.model_path, "algorithm": self.algorithm, "plan": plan,
+        return {"model": self.model_path, "algorithm": self.algorithm, "plan": plan, "placement": self.placement,
+                "rollout_workers": self.rollout_workers,
                 "rollout": dataclasses.asdict(self.rollout), "config": dataclasses.asdict(self.config)}
 
     def close(self) -> None:
-        """Stop the worker group (the cluster stays up)."""
-        if self.group is not None:
-            try:
-                self.group.call("close", timeout=30)
-            except Exception:
-                pass
-            self.group.shutdown()
-            self.group = None
+        """Stop the worker groups (the cluster stays up)."""
+        for name in ("rollout_group", "group"):
+            group = getattr(self, name)
+            if group is not None:
+                try:
+                    group.call("close", timeout=30)
+                except Exception:
+                    pass  # a broken group is torn down below all the same
+                group.shutdown()
+                setattr(self, name, None)
 
     def __enter__(self) -> Trainer:
         return self

@@ -32,7 +32,7 @@ class RLWorker:
 
     def __init__(self, model_path: str, plan: ParallelPlan, *, rollout: Rollout, prompt_len: int,
                  actor_lr: float, critic_lr: float = 1e-4, max_grad_norm: float | None = 1.0,
-                 need_ref: bool = False, need_critic: bool = False, seed: int = 0):
+                 need_ref: bool = False, need_critic: bool = False, seed: int = 0, colocate_rollout: bool = True):
         torch.manual_seed(seed)
         self.plan, self.rank = plan, dist.get_rank()
         self.P, self.R = prompt_len, rollout.max_new_tokens
@@ -42,36 +42,17 @@ class RLWorker:
         self.critic = ParallelModel(model_path, plan, head="value", lr=critic_lr, **common) if need_critic else None
         c = plan.coords(self.rank)
         self.dp_rank = c["dp"]
-        self.engine_ranks = sorted(plan.rank(dp=d, tp=0, pp=plan.pp - 1) for d in range(plan.dp))
+        # split placement: the engines live in their own RolloutWorker group instead
+        self.engine_ranks = sorted(plan.rank(dp=d, tp=0, pp=plan.pp - 1) for d in range(plan.dp)) \
+            if colocate_rollout else []
         self.engine = make_engine(rollout, model_path) if self.rank in self.engine_ranks else None
-        if self.engine is not None:
-            self.pad_id = self.engine.pad_token_id
 
     # ---- rollout -------------------------------------------------------------------------------
     def generate(self, batch: dict[str, Any], seed: int, **overrides: Any) -> dict[str, Any] | None:
         """n samples per prompt of this DP group's prompts, laid out ``[P | R]``; None off the engine rank."""
         if self.engine is None:
             return None
-        out = self.engine.generate(list(batch["prompt"]), seed=seed + 7919 * self.dp_rank, **overrides)
-        n = out.response_ids.shape[0]
-        ids = torch.full((n, self.P + self.R), self.pad_id, dtype=torch.long)
-        attn = torch.zeros(n, self.P + self.R, dtype=torch.long)
-        p, r = out.prompt_ids.shape[1], out.response_ids.shape[1]
-        if p > self.P or r > self.R:
-            raise RuntimeError(f"rollout returned prompt length {p} > P={self.P} or response {r} > R={self.R}")
-        ids[:, self.P - p:self.P] = out.prompt_ids
-        attn[:, self.P - p:self.P] = out.prompt_mask
-        ids[:, self.P:self.P + r] = out.response_ids
-        resp_mask = torch.zeros(n, self.R)
-        resp_mask[:, :r] = out.response_mask.float()
-        attn[:, self.P:] = resp_mask.long()
-        lp = torch.zeros(n, self.R)
-        lp[:, :r] = out.response_logprobs
-        rows = out.prompt_index.tolist()
-        return {"input_ids": ids, "attention_mask": attn, "response_mask": resp_mask, "rollout_logprobs": lp,
-                "uid": [batch["uid"][i] for i in rows], "row": [batch["row"][i] for i in rows],
-                "completion": list(out.texts), "finish_reason": list(out.finish_reason),
-                "timing": out.timings.get("generate", 0.0)}
+        return rollout_to_batch(self.engine, batch, seed + 7919 * self.dp_rank, self.P, self.R, **overrides)
 
     # ---- forward passes ------------------------------------------------------------------------
     def compute(self, batch: dict[str, Any], what: str) -> dict[str, torch.Tensor]:
@@ -146,6 +127,11 @@ class RLWorker:
         moved = self.actor.last_transfer.get("bytes", 0.0)
         return {"bytes": float(moved), "seconds": time.perf_counter() - t0}
 
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        """Full HF-named actor weights on rank 0 (None elsewhere): for a rollout group on its own pool."""
+        sd = self.actor.full_state_dict(to=0)
+        return sd if self.rank == 0 else None
+
     # ---- state ---------------------------------------------------------------------------------
     def save(self, path: str) -> str:
         self.actor.save(Path(path) / "actor")
@@ -167,6 +153,59 @@ class RLWorker:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+
+
+class RolloutWorker:
+    """A rollout engine on its own worker (split placement): no process group, no training state."""
+
+    def __init__(self, model_path: str, *, rollout: Rollout, prompt_len: int, seed: int = 0):
+        torch.manual_seed(seed)
+        self.P, self.R = prompt_len, rollout.max_new_tokens
+        self.dp_rank = int(os.environ.get("RANK", "0"))
+        self.engine = make_engine(rollout, model_path)
+
+    def generate(self, batch: dict[str, Any], seed: int, **overrides: Any) -> dict[str, Any]:
+        # same seed per DP chunk as a colocated engine: the two placements sample the same responses
+        return rollout_to_batch(self.engine, batch, seed + 7919 * self.dp_rank, self.P, self.R, **overrides)
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.engine.load_weights(state.items())
+        return {"bytes": float(sum(t.numel() * t.element_size() for t in state.values())),
+                "seconds": time.perf_counter() - t0}
+
+    def rss_gb(self) -> float:
+        import psutil
+
+        return psutil.Process(os.getpid()).memory_info().rss / 2**30
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def rollout_to_batch(engine: Any, batch: dict[str, Any], seed: int, P: int, R: int, **overrides: Any) -> dict[str, Any]:
+    """Generate for ``batch["prompt"]`` and lay the samples out as ``[prompt left-padded to P | response
+    right-padded to R]`` with masks, the rollout's log-probs and each sample's prompt ``uid`` / ``row``."""
+    out = engine.generate(list(batch["prompt"]), seed=seed, **overrides)
+    n = out.response_ids.shape[0]
+    ids = torch.full((n, P + R), engine.pad_token_id, dtype=torch.long)
+    attn = torch.zeros(n, P + R, dtype=torch.long)
+    p, r = out.prompt_ids.shape[1], out.response_ids.shape[1]
+    if p > P or r > R:
+        raise RuntimeError(f"rollout returned prompt length {p} > P={P} or response {r} > R={R}")
+    ids[:, P - p:P] = out.prompt_ids
+    attn[:, P - p:P] = out.prompt_mask
+    ids[:, P:P + r] = out.response_ids
+    resp_mask = torch.zeros(n, R)
+    resp_mask[:, :r] = out.response_mask.float()
+    attn[:, P:] = resp_mask.long()
+    lp = torch.zeros(n, R)
+    lp[:, :r] = out.response_logprobs
+    rows = out.prompt_index.tolist()
+    return {"input_ids": ids, "attention_mask": attn, "response_mask": resp_mask, "rollout_logprobs": lp,
+            "uid": [batch["uid"][i] for i in rows], "row": [batch["row"][i] for i in rows],
+            "completion": list(out.texts), "finish_reason": list(out.finish_reason),
+            "timing": out.timings.get("generate", 0.0)}
 
 
 def _split(batch: dict[str, Any], k: int) -> list[dict[str, Any]]:
