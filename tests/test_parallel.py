@@ -18,7 +18,7 @@ from rlkit.parallel.launch import launch
 from rlkit.parallel.stage import Stage, causal_padding_mask, position_ids_from_mask
 
 TOL = {"max_dlogprob": 2e-6, "max_dentropy": 1e-5, "max_dgrad": 1e-6, "max_dweight": 1e-5,
-       "max_dlogprob_gathered_model": 1e-5}
+       "max_dlogprob_gathered_model": 1e-5, "max_drelayout": 1e-5}
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,7 @@ def run_plan(tmp_path, tiny_paths, nprocs, *args, arch="qwen2", ckpt=False, time
     assert abs(rep["grad_norm"] - rep["ref_grad_norm"]) <= 1e-5 * rep["ref_grad_norm"], rep
     assert rep["strict_load"] is True
     assert len(rep["memory"]) == nprocs
+    assert "max_drelayout" in rep and rep["relayout_held_bytes"] > 0  # re-layout into a pp=1 generation layout
     if ckpt:
         assert rep["resume_step"] == 1
         assert rep["resume_max_dweight"] == 0.0, rep  # bit-exact resume

@@ -183,6 +183,18 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
                 r = reference_forward(ref, None, b)["logprobs"]
             report["max_dlogprob_gathered_model"] = (a - r).abs().max().item()
 
+    # 4b. re-layout into a generation layout (pp=1, TP over pairs of ranks when the world allows)
+    from rlkit.parallel.relayout import relayout, tp_shard
+
+    world = plan.world_size
+    target = ParallelPlan(dp=world // 2, tp=2) if world % 2 == 0 and head == "lm" else ParallelPlan(dp=world)
+    shards, rel = relayout(pm, target)
+    tp_rank = target.coords(rank)["tp"]
+    drel = max((shards[k] - tp_shard(k, v.detach(), target.tp, tp_rank, ref.config)).abs().max().item()
+               for k, v in ref_named.items())
+    report.update(relayout_plan=target.describe(), max_drelayout=_max(torch.tensor(drel)),
+                  relayout_bytes=rel["bytes"], relayout_seconds=rel["seconds"], relayout_held_bytes=rel["held_bytes"])
+
     # 5. save -> load into a fresh ParallelModel -> continue == uninterrupted run
     if ckpt is not None:
         pm2 = ParallelModel(model, plan, head=head, max_grad_norm=max_grad_norm, seed=seed, mesh=pm.mesh, **opt)
