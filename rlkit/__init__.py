@@ -31,6 +31,8 @@ _LAZY = {
     "Cluster": "rlkit.cluster",
     "WorkerGroup": "rlkit.workers",
     "Rollout": "rlkit.rollout",
+    "rewards": "rlkit.rewards",
+    "RewardModel": "rlkit.rewards",
     "Trainer": "rlkit.trainer",
     "TrainerConfig": "rlkit.trainer",
     "ParallelModel": "rlkit.parallel",

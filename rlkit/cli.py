@@ -60,23 +60,34 @@ def _train(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as e:
             print(f"rlkit train: error: cannot read --config {args.config}: {e}", file=sys.stderr)
             return 2
+        if not isinstance(loaded, dict):
+            print(f"rlkit train: error: --config {args.config} holds a JSON {type(loaded).__name__}; it must be "
+                  f'an object like {{"steps": 20, "dp": 2}}', file=sys.stderr)
+            return 2
         unknown = sorted(set(loaded) - set(TRAIN_KEYS))
         if unknown:
             print(f"rlkit train: error: unknown config keys {unknown}; known: {sorted(TRAIN_KEYS)}", file=sys.stderr)
             return 2
-        cfg.update(loaded)
+        wrong = [k for k, v in loaded.items() if v is not None and not isinstance(v, TRAIN_KEYS[k])
+                 and not (TRAIN_KEYS[k] is float and isinstance(v, int))]
+        if wrong:
+            k = wrong[0]
+            kind = {str: "string", int: "integer", float: "number"}[TRAIN_KEYS[k]]
+            print(f"rlkit train: error: config key {k!r} is {loaded[k]!r}; it must be a JSON {kind}", file=sys.stderr)
+            return 2
+        cfg.update({k: v for k, v in loaded.items() if v is not None})
     cfg.update({k: v for k, v in vars(args).items() if k in TRAIN_KEYS and v is not None})
     import rlkit
     from rlkit.errors import RlkitError
 
     try:
+        tasks = {"repeat": rlkit.tasks.repeat, "arithmetic": rlkit.tasks.arithmetic}
+        if cfg["task"] not in tasks:  # checked first: fails before any model is built
+            raise RlkitError(f"task={cfg['task']!r}: choose one of {sorted(tasks)}")
+        task = tasks[cfg["task"]]
         model = cfg["model"]
         if model.startswith("tiny-"):
             model = rlkit.models.tiny_lm(model.split("-", 1)[1], size="small")
-        tasks = {"repeat": rlkit.tasks.repeat, "arithmetic": rlkit.tasks.arithmetic}
-        if cfg["task"] not in tasks:
-            raise RlkitError(f"task={cfg['task']!r}: choose one of {sorted(tasks)}")
-        task = tasks[cfg["task"]]
         if cfg.get("sft_steps"):
             model = rlkit.tasks.sft_warmstart(model, task, steps=cfg["sft_steps"])
         plan = rlkit.ParallelPlan(dp=cfg["dp"], tp=cfg["tp"], pp=cfg["pp"], micro_batches=cfg.get("micro_batches"))
@@ -92,7 +103,7 @@ def _train(args: argparse.Namespace) -> int:
                     if c in df.columns]
             print(df[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
             print(f"run directory: {trainer.run_dir}")
-    except (RlkitError, ValueError) as e:
+    except (RlkitError, ValueError, OSError) as e:  # OSError: a model path or hub id that cannot be loaded
         print(f"rlkit train: error: {e}", file=sys.stderr)
         return 2
     return 0
