@@ -120,19 +120,27 @@ def tiny_lm(arch: str = "qwen2", size: str = "test", seed: int = 0, *, vocab_siz
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return str(out)
 
-    import torch
     from transformers import AutoModelForCausalLM
 
-    tok = build_tokenizer(vocab_size)
+    return build_and_save(cfg, out, AutoModelForCausalLM, seed)
+
+
+def build_and_save(cfg: Any, out: Path, auto_cls: Any, seed: int) -> str:
+    """Train the tokenizer, build ``auto_cls.from_config(cfg)`` with a seeded init, and save both into
+    ``out`` atomically (a temp folder renamed into place; a concurrent builder's result is kept)."""
+    import torch
+
+    tok = build_tokenizer(cfg.vocab_size)
     specials = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = (specials["<pad>"], specials["<|endoftext|>"],
                                                             specials["<|endoftext|>"])
     cfg.vocab_size = max(cfg.vocab_size, len(tok))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    model.generation_config.pad_token_id = cfg.pad_token_id
-    model.generation_config.eos_token_id = cfg.eos_token_id
+        model = auto_cls.from_config(cfg, dtype=torch.float32)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.pad_token_id = cfg.pad_token_id
+        model.generation_config.eos_token_id = cfg.eos_token_id
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:

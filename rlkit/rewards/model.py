@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -165,8 +163,8 @@ def tiny_reward_model(arch: str = "qwen2", seed: int = 0, *, size: str = "test",
     >>> AutoModelForSequenceClassification.from_pretrained(tiny_reward_model()).config.num_labels
     1
     """
-    from rlkit.models import build_tokenizer, cache_dir, tiny_config
-    from rlkit.models.tiny import SPECIAL_TOKENS
+    from rlkit.models import cache_dir, tiny_config
+    from rlkit.models.tiny import build_and_save
 
     cfg = tiny_config(arch, size, num_labels=1)
     key = json.dumps({"arch": arch, "size": size, "seed": seed, "kind": "reward", "v": 1}, sort_keys=True)
@@ -175,27 +173,6 @@ def tiny_reward_model(arch: str = "qwen2", seed: int = 0, *, size: str = "test",
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():
         return str(out)
 
-    import torch
     from transformers import AutoModelForSequenceClassification
 
-    tok = build_tokenizer(cfg.vocab_size)
-    specials = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    cfg.pad_token_id, cfg.eos_token_id, cfg.bos_token_id = (specials["<pad>"], specials["<|endoftext|>"],
-                                                            specials["<|endoftext|>"])
-    cfg.vocab_size = max(cfg.vocab_size, len(tok))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        try:
-            os.rename(tmp, out)
-        except OSError:  # someone else finished first: keep theirs
-            if not (out / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(out)
+    return build_and_save(cfg, out, AutoModelForSequenceClassification, seed)
