@@ -153,6 +153,12 @@ class Trainer:
             raise TrainerError(f"each DP rank gets prompts_per_step/dp*n={per_rank} samples, which do not split "
                                f"into minibatches*micro_batches={c.minibatches}*{p.n_micro_batches}; change "
                                f"prompts_per_step, Rollout.n or the plan's micro_batches")
+        if self.rollout.temperature != 1.0:
+            # the actor scores tokens under softmax(logits); sampling at another temperature would make
+            # every PPO ratio off-policy by a constant factor
+            raise TrainerError(f"Rollout(temperature={self.rollout.temperature}) is not supported for training yet: "
+                               f"the actor's log-probs are at temperature 1; use temperature=1.0 (evaluate() "
+                               f"may still sample greedily)")
         if self.algorithm in ("grpo", "drgrpo", "rloo", "reinforce++-baseline") and self.rollout.n < 2:
             raise TrainerError(f"{self.algorithm} compares samples of the same prompt: set Rollout(n>=2), "
                                f"got n={self.rollout.n}")

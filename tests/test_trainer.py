@@ -95,6 +95,8 @@ def test_bad_inputs_fail_before_any_worker_starts(tmp_path):
         Trainer(model=path, dataset=rlkit.tasks.repeat, plan=rlkit.ParallelPlan(dp=2), prompts_per_step=3)
     with pytest.raises(TrainerError, match="grpo compares samples of the same prompt"):
         Trainer(model=path, dataset=rlkit.tasks.repeat, rollout=rlkit.Rollout(engine="hf", n=1))
+    with pytest.raises(TrainerError, match=r"temperature=0.7\) is not supported for training"):
+        Trainer(model=path, dataset=rlkit.tasks.repeat, rollout=rlkit.Rollout(engine="hf", n=2, temperature=0.7))
     with pytest.raises(TrainerError, match="algorithm='dpo' is not known"):
         Trainer(model=path, dataset=rlkit.tasks.repeat, algorithm="dpo")
     with pytest.raises(TrainerError, match="no reward"):
