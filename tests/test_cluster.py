@@ -1,5 +1,5 @@
 """rlkit.Cluster on real Ray: embedded cluster, views, placement, roles, bad addresses, a real head
-started by the test (slow) and a simulated 2-node cluster (slow)."""
+started by the test and a simulated 2-node cluster."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def test_unreachable_address_fails_fast_and_keeps_current_cluster(ray_cluster):
     assert ray_cluster.alive and Cluster.current() is ray_cluster  # a bad address replaced nothing
 
 
-# ---- slow: a real `ray start` head, and a simulated 2-node cluster -------------------------------
+# ---- a real `ray start` head, and a simulated 2-node cluster -------------------------------
 def _kill_session(proc: subprocess.Popen) -> None:
     """Stop only the head this test started: SIGTERM to `ray start --block` (it drains and stops its
     children), then SIGKILL whatever is left in its own session. Never `ray stop` (it is global)."""
@@ -139,7 +139,6 @@ def _kill_session(proc: subprocess.Popen) -> None:
             pass
 
 
-@pytest.mark.slow
 def test_real_head_by_address(tmp_path, ray_session_end):
     import shutil
     import tempfile
@@ -178,7 +177,6 @@ def test_real_head_by_address(tmp_path, ray_session_end):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-@pytest.mark.slow
 def test_two_nodes_keep_tp_groups_on_one_node(ray_session_end):
     import ray
     from ray.cluster_utils import Cluster as SimCluster
