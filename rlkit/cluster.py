@@ -145,7 +145,9 @@ class Cluster:
             self.mode = "existing"  # the user's own ray.init: use it, never shut it down
         elif address is None:
             self.mode = "embedded"
-            ray.init(num_cpus=num_cpus or os.cpu_count(), num_gpus=num_gpus, include_dashboard=False,
+            # address="local": always a new embedded instance, never the `ray start` head that may be
+            # running on this machine (ray.init() alone would join it and reject num_cpus)
+            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), num_gpus=num_gpus, include_dashboard=False,
                      _node_ip_address="127.0.0.1", namespace=namespace, logging_level="WARNING")
             self._owns = True
         else:

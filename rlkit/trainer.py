@@ -9,6 +9,7 @@ ParallelPlan); the algorithm lives here and in ``rlkit.algos`` as small function
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -287,10 +288,15 @@ class Trainer:
         out = []
         for i in range(self.step * k, self.step * k + k):
             epoch, pos = divmod(i, n)
-            order = list(range(n))
-            random.Random(self.config.seed * 7_919 + epoch).shuffle(order)
+            order = self._epoch_order(epoch)
             out.append(dict(self.rows[order[pos]], _row=order[pos]))
         return out
+
+    @functools.lru_cache(maxsize=2)  # noqa: B019 (a handful of small lists for the trainer's lifetime)
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.rows)))
+        random.Random(self.config.seed * 7_919 + epoch).shuffle(order)
+        return order
 
     def _sync_weights(self) -> list[dict[str, float]]:
         """Actor weights into the rollout engines: streamed in place (colocated), or gathered on the

@@ -1,4 +1,4 @@
-"""The training notebook runs top to bottom in a real kernel (nbval), against a real local Ray."""
+"""The notebooks run top to bottom in a real kernel (nbval): the plan views, and GRPO on a real local Ray."""
 
 import json
 import subprocess
@@ -10,9 +10,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.ray
-def test_grpo_notebook_runs_top_to_bottom():
-    nb = ROOT / "notebooks" / "02_grpo.ipynb"
+@pytest.mark.parametrize("name", ["01_parallel_plan", "02_grpo"])
+def test_notebook_runs_top_to_bottom(name):
+    nb = ROOT / "notebooks" / f"{name}.ipynb"
     cells = json.loads(nb.read_text())["cells"]
     assert all(not c.get("outputs") for c in cells if c["cell_type"] == "code")  # committed without outputs
     proc = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", str(nb), "-p", "no:cacheprovider",

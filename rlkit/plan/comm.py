@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from rlkit.errors import PlanError
-from rlkit.plan.memory import PRECISIONS, _layer_tensors, _pos_int, _root_tensors, _shard
+from rlkit.plan.memory import PRECISIONS, _check_common, _layer_tensors, _pos_int, _root_tensors, _shard
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -111,17 +111,7 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
     virtual stage on this rank, activations ``micro_batch x seq_len x hidden x compute bytes``
     forward (unless it is the last stage) and their gradient backward (unless it is the first).
     """
-    from rlkit.plan.spec import as_spec
-    from rlkit.plan.topology import ParallelPlan
-
-    if not isinstance(plan, ParallelPlan):
-        raise PlanError(f"plan={plan!r} must be a ParallelPlan")
-    spec = as_spec(model)
-    plan.validate(model=spec)
-    s = _pos_int("seq_len", seq_len)
-    b = _pos_int("micro_batch", micro_batch)
-    if precision not in PRECISIONS:
-        raise PlanError(f"precision={precision!r} is unknown; choose one of {list(PRECISIONS)}")
+    spec, s, b = _check_common(plan, model, seq_len, micro_batch, precision)
     if global_batch is not None:
         _pos_int("global_batch", global_batch)
         if global_batch % (plan.dp * b):

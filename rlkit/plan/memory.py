@@ -77,6 +77,22 @@ def _pos_int(name: str, value: Any) -> int:
     return value
 
 
+def _check_common(plan: Any, model: Any, seq_len: Any, micro_batch: Any, precision: str):
+    """The inputs every cost model shares, checked once: ``(spec, seq_len, micro_batch)``."""
+    from rlkit.plan.spec import as_spec
+    from rlkit.plan.topology import ParallelPlan
+
+    if not isinstance(plan, ParallelPlan):
+        raise PlanError(f"plan={plan!r} must be a ParallelPlan")
+    spec = as_spec(model)
+    plan.validate(model=spec)
+    s = _pos_int("seq_len", seq_len)
+    b = _pos_int("micro_batch", micro_batch)
+    if precision not in PRECISIONS:
+        raise PlanError(f"precision={precision!r} is unknown; choose one of {list(PRECISIONS)}")
+    return spec, s, b
+
+
 def _chunk(n: int, parts: int, index: int) -> int:
     """Length of piece ``index`` when ``n`` is split like ``torch.chunk``: pieces of ceil(n/parts),
     the last ones shorter or empty (DTensor's uneven Shard and FSDP2's ``_chunk_with_empty``)."""
@@ -340,18 +356,8 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     parameter tensor, ``param_tensors`` of them) are *not* in ``optimizer``. Compare with
     :func:`compare_memory`.
     """
-    from rlkit.plan.spec import as_spec
-    from rlkit.plan.topology import ParallelPlan
-
-    if not isinstance(plan, ParallelPlan):
-        raise PlanError(f"plan={plan!r} must be a ParallelPlan")
-    spec = as_spec(model)
-    plan.validate(model=spec)
-    s = _pos_int("seq_len", seq_len)
-    b = _pos_int("micro_batch", micro_batch)
+    spec, s, b = _check_common(plan, model, seq_len, micro_batch, precision)
     _pos_int("logits_copies", logits_copies)
-    if precision not in PRECISIONS:
-        raise PlanError(f"precision={precision!r} is unknown; choose one of {list(PRECISIONS)}")
     if optimizer not in OPTIMIZERS:
         raise PlanError(f"optimizer={optimizer!r} is unknown; choose one of {list(OPTIMIZERS)}")
     roles = (roles,) if isinstance(roles, str) else tuple(roles)
