@@ -31,7 +31,7 @@ def main(quick: bool = False, steps: int | None = None) -> int:
     t0 = time.perf_counter()
     trainer = rlkit.Trainer(model=path, dataset=rlkit.tasks.repeat, algorithm="grpo", plan=plan,
                             rollout=rlkit.Rollout(engine="hf", n=8, max_new_tokens=16), prompts_per_step=8,
-                            lr=2e-3, seed=0, run_dir=os.path.join("runs", "demo"))
+                            lr=2e-3, entropy_coef=0.02, seed=0, run_dir=os.path.join("runs", "demo"))
     print(f"cluster + {plan.world_size} workers ready in {time.perf_counter() - t0:.1f} s")
     try:
         t1 = time.perf_counter()
