@@ -174,15 +174,11 @@ def grpo(scores: torch.Tensor, group_ids: Sequence[Any] | torch.Tensor, response
     >>> grpo(torch.tensor([1., 0., 0., 1.]), [7, 7, 7, 7], torch.ones(4, 1))[0].flatten()
     tensor([ 0.8660, -0.8660, -0.8660,  0.8660])
     """
-    m = as_bool(response_mask)
-    s = at_least_fp32(sequence_scores(scores, m))
-    mean, std, count = group_stats(s, group_index(group_ids, s.shape[0], s.device))
+    m, s, (mean, std, count) = _grouped(scores, group_ids, response_mask)
     a = s - mean
     if norm_by_std:
         a = a / (std + eps)
-    a = torch.where(count > 1, a, torch.zeros_like(a))
-    adv = torch.where(m, a[:, None], torch.zeros((), dtype=a.dtype, device=a.device))
-    return adv, adv
+    return _per_token(torch.where(count > 1, a, torch.zeros_like(a)), m)
 
 
 @register_advantage("drgrpo")
@@ -216,10 +212,19 @@ def rloo(scores: torch.Tensor, group_ids: Sequence[Any] | torch.Tensor,
     >>> rloo(torch.tensor([1., 0., 0., 1.]), [0, 0, 0, 0], torch.ones(4, 1))[0].flatten()
     tensor([ 0.6667, -0.6667, -0.6667,  0.6667])
     """
+    m, s, (mean, _, n) = _grouped(scores, group_ids, response_mask)
+    return _per_token(torch.where(n > 1, (s - mean) * n / (n - 1).clamp(min=1), torch.zeros_like(s)), m)
+
+
+def _grouped(scores: torch.Tensor, group_ids: Any, response_mask: torch.Tensor):
+    """(bool mask, one fp32 score per sequence, (mean, std, count) of each sample's prompt group)."""
     m = as_bool(response_mask)
     s = at_least_fp32(sequence_scores(scores, m))
-    mean, _, n = group_stats(s, group_index(group_ids, s.shape[0], s.device))
-    a = torch.where(n > 1, (s - mean) * n / (n - 1).clamp(min=1), torch.zeros_like(s))
+    return m, s, group_stats(s, group_index(group_ids, s.shape[0], s.device))
+
+
+def _per_token(a: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A per-sequence advantage on every real token (0 on padding), as ``(advantages, returns)``."""
     adv = torch.where(m, a[:, None], torch.zeros((), dtype=a.dtype, device=a.device))
     return adv, adv
 
@@ -272,9 +277,7 @@ def reinforce_pp_baseline(scores: torch.Tensor, group_ids: Sequence[Any] | torch
     >>> reinforce_pp_baseline(torch.tensor([1., 0., 1., 1.]), [0, 0, 1, 1], torch.ones(4, 1))[0].flatten()
     tensor([ 1.2247, -1.2247,  0.0000,  0.0000])
     """
-    m = as_bool(response_mask)
-    s = at_least_fp32(sequence_scores(scores, m))
-    mean, _, count = group_stats(s, group_index(group_ids, s.shape[0], s.device))
+    m, s, (mean, _, count) = _grouped(scores, group_ids, response_mask)
     a = torch.where(count > 1, s - mean, torch.zeros_like(s))
     adv = masked_whiten(a[:, None].expand(m.shape), m)
     return adv, adv

@@ -93,11 +93,7 @@ class RLWorker:
             stats.append(m)
             return loss
 
-        results = []
-        for _epoch in range(cfg["epochs"]):
-            for mb in _split(batch, cfg["minibatches"]):
-                results.append(self.actor.train_step(mb, loss_fn))
-        return _summarize(results, stats, "actor")
+        return _epochs(self.actor, batch, cfg, loss_fn, stats, "actor")
 
     def update_critic(self, batch: dict[str, Any], cfg: dict[str, Any]) -> dict[str, float]:
         P, R = self.P, self.R
@@ -109,11 +105,7 @@ class RLWorker:
             stats.append(m)
             return loss
 
-        results = []
-        for _epoch in range(cfg["epochs"]):
-            for mb in _split(batch, cfg["minibatches"]):
-                results.append(self.critic.train_step(mb, loss_fn))
-        return _summarize(results, stats, "critic")
+        return _epochs(self.critic, batch, cfg, loss_fn, stats, "critic")
 
     # ---- weight sync (HybridEngine) ---------------------------------------------------------------
     def sync_weights(self) -> dict[str, float]:
@@ -146,9 +138,7 @@ class RLWorker:
         return self.sync_weights()
 
     def rss_gb(self) -> float:
-        import psutil
-
-        return psutil.Process(os.getpid()).memory_info().rss / 2**30
+        return _rss_gb()
 
     def close(self) -> None:
         if self.engine is not None:
@@ -175,9 +165,7 @@ class RolloutWorker:
                 "seconds": time.perf_counter() - t0}
 
     def rss_gb(self) -> float:
-        import psutil
-
-        return psutil.Process(os.getpid()).memory_info().rss / 2**30
+        return _rss_gb()
 
     def close(self) -> None:
         self.engine.close()
@@ -206,6 +194,20 @@ def rollout_to_batch(engine: Any, batch: dict[str, Any], seed: int, P: int, R: i
             "uid": [batch["uid"][i] for i in rows], "row": [batch["row"][i] for i in rows],
             "completion": list(out.texts), "finish_reason": list(out.finish_reason),
             "timing": out.timings.get("generate", 0.0)}
+
+
+def _rss_gb() -> float:
+    import psutil
+
+    return psutil.Process(os.getpid()).memory_info().rss / 2**30
+
+
+def _epochs(model: ParallelModel, batch: dict[str, Any], cfg: dict[str, Any], loss_fn: Any,
+            stats: list[dict[str, float]], role: str) -> dict[str, float]:
+    """``cfg["epochs"]`` passes over the batch, ``cfg["minibatches"]`` optimizer steps each."""
+    results = [model.train_step(mb, loss_fn) for _epoch in range(cfg["epochs"])
+               for mb in _split(batch, cfg["minibatches"])]
+    return _summarize(results, stats, role)
 
 
 def _split(batch: dict[str, Any], k: int) -> list[dict[str, Any]]:
