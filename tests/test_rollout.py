@@ -1,14 +1,14 @@
 """Rollout engines on a real tiny Qwen2: shapes, end handling, log-probs vs a forward pass, weight sync.
 
 The reference for every log-prob is an unpadded fp32 forward of prompt + response through a plain
-transformers model at the same temperature (rlkit's convention). HF tests run by default; vLLM tests need
-the ``vllm`` package (run them in /work/vllm-venv) and are marked slow.
+transformers model at the same temperature (rlkit's convention). The vLLM engine's tests are in
+test_vllm.py (they run in the vLLM venv that `make test` builds).
 """
 
-import time
 
 import pytest
 import torch
+from _logprob_ref import forward_logprobs, max_masked_diff
 
 from rlkit.models import load, tiny_lm
 from rlkit.rollout import HFEngine, PromptTooLongError, Rollout, RolloutError, make_engine, vllm_available
@@ -35,24 +35,6 @@ def path():
 def model_tok(path):
     model, tok = load(path)
     return model.eval(), tok
-
-
-def forward_logprobs(model, batch, temperature):
-    """Log-prob of each sampled token from one unpadded forward per sample (the actor's recomputation)."""
-    temperature = temperature or 1.0
-    out = torch.zeros_like(batch.response_logprobs)
-    with torch.no_grad():
-        for i in range(batch.num_samples):
-            prompt = batch.prompt_ids[i][batch.prompt_mask[i].bool()]
-            n = int(batch.response_lengths[i])
-            resp = batch.response_ids[i, :n]
-            logits = model(torch.cat([prompt, resp])[None]).logits[0, len(prompt) - 1:-1].float()
-            out[i, :n] = torch.log_softmax(logits / temperature, -1).gather(1, resp[:, None])[:, 0]
-    return out
-
-
-def max_masked_diff(a, b, mask):
-    return (a - b)[mask.bool()].abs().max().item()
 
 
 # ---- config -----------------------------------------------------------------------------------------
@@ -241,90 +223,3 @@ def test_make_engine_hf_and_token_prompts(path, model_tok):
     if not vllm_available():
         with pytest.raises(RolloutError, match=r"vllm is not installed.*engine='hf'"):
             make_engine(Rollout(engine="vllm"), path)
-
-
-# ---- vLLM engine (in /work/vllm-venv: pytest -m slow tests/test_rollout.py -k vllm) -----------------
-
-# vLLM's CPU attention needs head_dim >= 32: the "test" size with 2 heads (head_dim 32, still GQA)
-VLLM_MODEL = dict(arch="qwen2", size="test", num_attention_heads=2, num_key_value_heads=1)
-
-
-@pytest.fixture(scope="module")
-def vllm_engine():
-    pytest.importorskip("vllm")
-    from rlkit.rollout import VLLMEngine
-
-    t = time.perf_counter()
-    eng = VLLMEngine(tiny_lm(**VLLM_MODEL), n=4, max_new_tokens=16, dtype="float32", kv_cache_gb=1, seed=0)
-    print(f"\nvLLM engine start {time.perf_counter() - t:.1f} s (LLM() {eng.start_seconds:.1f} s)")
-    yield eng
-    eng.close()
-
-
-@pytest.mark.slow
-def test_vllm_rejects_unsupported_head_dim():
-    pytest.importorskip("vllm")
-    from rlkit.rollout import VLLMEngine
-
-    with pytest.raises(RolloutError, match=r"head_dim=16 is not supported by vLLM on CPU"):
-        VLLMEngine(tiny_lm("qwen2", size="test"))
-
-
-@pytest.mark.slow
-def test_vllm_samples_and_logprobs_match_hf_forward(vllm_engine):
-    model, tok = load(tiny_lm(**VLLM_MODEL))
-    for temperature in (1.0, 0.7):
-        b = vllm_engine.generate(PROMPTS, temperature=temperature)
-        assert b.num_samples == 12 and b.prompt_index.tolist() == [i for i in range(3) for _ in range(4)]
-        assert len({tuple(r) for r in b.response_ids[:4].tolist()}) > 1
-        diff = max_masked_diff(b.response_logprobs, forward_logprobs(model, b, temperature), b.response_mask)
-        print(f"vLLM vs HF forward, T={temperature}: max |dlogp| = {diff:.2e}")
-        assert diff < TOL
-    # greedy fp32: vLLM and HF generate pick the same tokens
-    g = vllm_engine.generate(PROMPTS, temperature=0.0, n=1, ignore_eos=True)
-    h = HFEngine(model, tok, temperature=0.0, max_new_tokens=16, ignore_eos=True).generate(PROMPTS)
-    assert torch.equal(g.response_ids, h.response_ids)
-    assert max_masked_diff(g.response_logprobs, h.response_logprobs, g.response_mask) < TOL
-    # same seed, same samples; end tokens cut responses as in HF
-    s1, s2 = vllm_engine.generate(PROMPTS, seed=11), vllm_engine.generate(PROMPTS, seed=11)
-    assert torch.equal(s1.response_ids, s2.response_ids)
-    free = vllm_engine.generate(PROMPTS, seed=11, ignore_eos=True)
-    end = int(free.response_ids[0, 3])
-    cut = vllm_engine.generate(PROMPTS, seed=11, ignore_eos=True, stop_token_ids=[end])
-    assert cut.response_lengths[0] == 4 and cut.finish_reason[0] == "stop"
-    assert cut.response_ids[0, :4].tolist() == free.response_ids[0, :4].tolist()
-
-
-@pytest.mark.slow
-def test_vllm_weight_sync_follows_new_weights(vllm_engine):
-    """The proof that weight sync is right: after load_weights the engine's log-probs are the new
-    model's (to fp32 precision) and far from the old model's."""
-    old, _ = load(tiny_lm(**VLLM_MODEL))
-    new, _ = load(tiny_lm(**VLLM_MODEL))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    try:
-        stats = vllm_engine.load_weights(new.state_dict().items())
-        print(f"vLLM weight sync: {stats['bytes'] / 2**20:.2f} MiB in {stats['seconds'] * 1e3:.1f} ms")
-        b = vllm_engine.generate(PROMPTS, temperature=1.0)
-        to_new = max_masked_diff(b.response_logprobs, forward_logprobs(new, b, 1.0), b.response_mask)
-        to_old = max_masked_diff(b.response_logprobs, forward_logprobs(old, b, 1.0), b.response_mask)
-        print(f"after sync: max |dlogp| vs new weights {to_new:.2e}, vs old weights {to_old:.2e}")
-        assert to_new < TOL and to_old > 1e-2
-        with pytest.raises(RolloutError, match=r"model.nope.weight.*does not have"):
-            vllm_engine.load_weights([("model.nope.weight", torch.zeros(1))])
-    finally:  # put the original weights back for other tests on this engine
-        vllm_engine.load_weights(old.state_dict().items())
-    b = vllm_engine.generate(PROMPTS)
-    assert max_masked_diff(b.response_logprobs, forward_logprobs(old, b, 1.0), b.response_mask) < TOL
-
-
-@pytest.mark.slow
-def test_vllm_throughput(vllm_engine):
-    prompts = (PROMPTS * 11)[:32]
-    vllm_engine.generate(prompts[:4], max_new_tokens=4)  # warm-up
-    b = vllm_engine.generate(prompts, n=4, max_new_tokens=32, ignore_eos=True)
-    assert b.num_tokens == 32 * 4 * 32
-    print(f"vLLM 32 prompts x n=4 x 32 tokens: {b.timings['generate']:.2f} s, {b.tokens_per_s:.0f} tok/s")
