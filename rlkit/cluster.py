@@ -16,11 +16,14 @@ runs on a laptop.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 import os
 import socket
 import time
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from rlkit.errors import PlanError, RlkitError
@@ -37,6 +40,10 @@ _CURRENT: Cluster | None = None  # the one Cluster of this process: notebook re-
 
 class ClusterError(RlkitError, ConnectionError):
     """Ray could not be started or reached; the message says what was tried and how to fix it."""
+
+
+class OversubscribedWarning(UserWarning):
+    """More ranks than devices: each rank gets a fraction of a CPU (slow, but it runs)."""
 
 
 def _split_address(address: str) -> tuple[str, int] | None:
@@ -77,6 +84,26 @@ def _enable_token_auth_if_token_exists() -> None:
     except ImportError:  # older/newer Ray without token auth: nothing to do
         return
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+@contextlib.contextmanager
+def _quiet_ray_start() -> Iterator[None]:
+    """Ray's start-up chatter off, its behaviour unchanged: the token-auth notice (auth stays on, as Ray
+    chose) and the one-time log-dedup banner (dedup itself stays on: repeated worker lines still show
+    as "[repeated Nx across cluster]"). Worker warnings, errors and tracebacks are not touched."""
+    try:
+        from ray.util.debug import log_once
+
+        log_once("log_dedup_warning")  # consumes Ray's once-only banner flag
+    except ImportError:
+        pass
+    auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = auth_log.level
+    auth_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        auth_log.setLevel(level)
 
 
 class Cluster:
@@ -147,14 +174,17 @@ class Cluster:
             self.mode = "embedded"
             # address="local": always a new embedded instance, never the `ray start` head that may be
             # running on this machine (ray.init() alone would join it and reject num_cpus)
-            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), num_gpus=num_gpus, include_dashboard=False,
-                     _node_ip_address="127.0.0.1", namespace=namespace, logging_level="WARNING")
+            with _quiet_ray_start():
+                ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), num_gpus=num_gpus,
+                         include_dashboard=False, _node_ip_address="127.0.0.1", namespace=namespace,
+                         logging_level="WARNING")
             self._owns = True
         else:
             self.mode = "remote"
-            _enable_token_auth_if_token_exists()
             try:
-                ray.init(address=address, namespace=namespace, logging_level="WARNING")
+                with _quiet_ray_start():
+                    _enable_token_auth_if_token_exists()
+                    ray.init(address=address, namespace=namespace, logging_level="WARNING")
             except Exception as e:  # Ray raises ConnectionError / RuntimeError / AuthenticationError
                 hint = ("; the cluster uses token auth: put its token in ~/.ray/auth_token or RAY_AUTH_TOKEN "
                         "and set RAY_AUTH_MODE=token") if "auth" in str(e).lower() else ""
@@ -277,6 +307,76 @@ class Cluster:
                          f'{" (head)" if n["head"] else ""}: {boxes}</div>')
         return "\n".join(lines) + self.resources().to_html(index=False)
 
+    # ---- who holds what -----------------------------------------------------------------------
+    def cpus_per_rank(self, ranks: int) -> float:
+        """CPUs for each of ``ranks`` ranks: ``cpus_per_worker``, or a fraction of it when there are more
+        ranks than devices (then an ``OversubscribedWarning`` gives the numbers).
+
+        >>> cluster.cpus_per_rank(8)   # on 2 CPUs   # doctest: +SKIP
+        OversubscribedWarning: 8 ranks on 2 devices: ...
+        0.25
+        """
+        devices = self.num_devices
+        if ranks <= devices:
+            return float(self.cpus_per_worker)
+        cpus = self.cpus_per_worker * devices / ranks
+        warnings.warn(f"rlkit: {ranks} ranks on {devices} device(s) of {self.cpus_per_worker:g} CPU: each rank gets "
+                      f"{cpus:.3g} CPU (oversubscribed: it runs, slowly); shrink the plan or add CPUs/nodes",
+                      OversubscribedWarning, stacklevel=3)
+        return cpus
+
+    def holders(self) -> list[str]:
+        """One line per live worker group / bare resource pool made here: what it holds and how to free it."""
+        lines = []
+        pooled = set()
+        for g in list(self._groups):
+            pool = getattr(g, "pool", None)
+            if pool is not None:
+                pooled.add(id(pool))
+            lines.append(g.holder_line())
+        for pool in self._pools:
+            if id(pool) not in pooled:
+                lines.append(f"ResourcePool {pool.name!r} ({pool.world_size} x {_fmt(pool.bundle)}): free it with "
+                             f"pool.remove()")
+        return lines
+
+    def release_orphans(self) -> int:
+        """Shut down worker groups whose owner (a Trainer) no longer exists; returns how many."""
+        import gc
+
+        gc.collect()  # owners caught in reference cycles: their finalizers run now
+        gone = [g for g in list(self._groups) if g.owner_gone()]
+        for g in gone:
+            g.shutdown(polite=False)
+        return len(gone)
+
+    def make_room(self, need: dict[str, float], owner: Any, replace_older: bool) -> list[str]:
+        """Before ``owner`` reserves ``need`` (e.g. ``{"CPU": 2.0}``): release groups of owners that are
+        gone, and with ``replace_older`` close older owners of the same type (a notebook cell that builds
+        a Trainer, run again) oldest first until ``need`` fits. Returns the labels of those closed."""
+        import ray
+
+        self._check_alive()
+        self.release_orphans()
+        free = dict(ray.available_resources())
+        closed: list[str] = []
+        seen: set[int] = set()
+        for g in list(self._groups):
+            if all(free.get(k, 0.0) + 1e-9 >= v for k, v in need.items()) or not replace_older:
+                break
+            o = g._owner() if g._owner is not None else None
+            if o is None or o is owner or type(o) is not type(owner) or id(o) in seen:
+                continue
+            seen.add(id(o))
+            for h in [h for h in self._groups if h._owner is not None and h._owner() is o]:
+                pool = getattr(h, "pool", None)
+                if pool is not None:
+                    for k, v in pool.bundle.items():
+                        free[k] = free.get(k, 0.0) + v * h.world_size / pool.colocate
+            o.close()
+            closed.append(g._owner_label or type(o).__name__)
+        return closed
+
     # ---- placement ---------------------------------------------------------------------------
     def placement_group_for(self, plan: ParallelPlan | int, *, name: str | None = None,
                             cpus_per_worker: float | None = None, gpus_per_worker: float | None = None,
@@ -379,6 +479,11 @@ class Cluster:
         self.shutdown()
 
 
+def _fmt(bundle: dict[str, float]) -> str:
+    """{'CPU': 1.0, 'GPU': 0.5} -> '1 CPU + 0.5 GPU'."""
+    return " + ".join(f"{v:g} {k}" for k, v in bundle.items()) or "nothing"
+
+
 def _fits(res: dict[str, float], bundle: dict[str, float]) -> int:
     """How many bundles fit in a node's resources."""
     return int(min((res.get(k, 0.0) / v for k, v in bundle.items() if v > 0), default=0) + 1e-9)
@@ -429,23 +534,44 @@ class ResourcePool:
             self.placement_groups.append(pg)
             for b, r in enumerate(ranks):
                 self._where[r] = (i, b)
-        try:
-            ray.get([pg.ready() for pg in self.placement_groups], timeout=timeout_s)
-        except (ray.exceptions.GetTimeoutError, TimeoutError):
-            free = ray.available_resources()
-            need = {k: v * self.world_size for k, v in self.bundle.items()}
-            self.remove()
-            raise ClusterError(
-                f"could not reserve {self.world_size} bundles of {self.bundle} (need {need} in all, in "
-                f"{len(self.chunks)} group(s) of up to {max(map(len, self.chunks))} bundles each on one node) "
-                f"within {timeout_s:g} s; free now: { {k: round(free.get(k, 0.0), 2) for k in self.bundle} }. "
-                f"Shut down other worker groups, lower the plan size or cpus/gpus_per_worker, or add nodes"
-            ) from None
+        refs = [pg.ready() for pg in self.placement_groups]
+        deadline = time.monotonic() + timeout_s
+        tried_orphans = False
+        while True:
+            left = deadline - time.monotonic()
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, min(left, 1.0)))
+            if len(ready) == len(refs):
+                break
+            if not tried_orphans:  # groups of Trainers that no longer exist: give their resources back
+                tried_orphans = True
+                if self.cluster.release_orphans():
+                    continue
+            if left <= 0:
+                self._fail(timeout_s)
         self.reserve_s = time.perf_counter() - t0
         for i, pg in enumerate(self.placement_groups):
             table = placement_group_table(pg)["bundles_to_node_id"]
             for b, r in enumerate(self.chunks[i]):
                 self._nodes[r] = table[b]
+
+    def _fail(self, timeout_s: float) -> None:
+        """Give the half-made reservation back and say what was needed, what is free and who holds the rest."""
+        import ray
+
+        free = ray.available_resources()
+        total = ray.cluster_resources()
+        need = {k: v * self.world_size for k, v in self.bundle.items()}
+        self.remove()
+        holders = self.cluster.holders()
+        held = ("; held by: " + "; ".join(holders)) if holders else \
+            "; nothing of this rlkit.Cluster holds them (other Ray users or actors of this cluster do)"
+        raise ClusterError(
+            f"could not reserve {self.world_size} bundles of {self.bundle} ({self.world_size} x {_fmt(self.bundle)}, "
+            f"need {need} in all, in {len(self.chunks)} group(s) of up to {max(map(len, self.chunks))} bundles each "
+            f"on one node) within {timeout_s:g} s; free now: { {k: round(free.get(k, 0.0), 2) for k in self.bundle} } "
+            f"of { {k: round(total.get(k, 0.0), 2) for k in self.bundle} }{held}. Close those (trainer.close() / "
+            f"group.shutdown()), lower the plan size or cpus/gpus_per_worker, or add nodes"
+        ) from None
 
     def node_of(self, rank: int) -> str:
         """Node id holding ``rank``'s bundle."""

@@ -17,6 +17,8 @@ import random
 import shutil
 import time
 import uuid
+import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -187,18 +189,38 @@ class Trainer:
         if self.cluster is None:
             self.cluster = Cluster(num_cpus=max(os.cpu_count() or 1, workers))
         c = self.config
-        cpus = min(1.0, self.cluster.num_devices / workers)
+        # more ranks than devices: a fraction of a CPU each, with an OversubscribedWarning giving the numbers
+        cpus = self.cluster.cpus_per_rank(workers)
+        # Who holds the CPUs: the cluster's registry of groups, each knowing (weakly) its Trainer. A Trainer
+        # that is garbage gives its workers back (finalizer); in a notebook, building a Trainer again (the
+        # cell re-run: the old object is still bound to `trainer` until the new one returns) closes the
+        # older Trainers that hold the room this one needs, with a warning. Scripts never lose a Trainer
+        # silently: the reservation fails after the cluster's timeout naming the holder and trainer.close().
+        dims = self.plan.describe().split(" =")[0]
+        self._holder_label = f"Trainer({self.algorithm}, {dims}, made {time.strftime('%H:%M:%S')})"
+        self._held: list[Any] = []  # this Trainer's groups; the finalizer shuts them down
+        self._finalizer = weakref.finalize(self, _shutdown_groups, self._held)
+        self._finalizer.atexit = False
+        gpw = self.cluster.gpus_per_worker
+        need = {"CPU": cpus * workers, **({"GPU": gpw * workers} if gpw else {})}
+        closed = self.cluster.make_room(need, self, replace_older=_interactive())
+        if closed:
+            warnings.warn(f"rlkit: closed the earlier {', '.join(closed)} to free its workers for this one "
+                          f"(a notebook cell run again?); close trainers yourself with trainer.close() to keep "
+                          f"control", stacklevel=3)
         self.group = WorkerGroup(
             self.cluster, self.plan, RLWorker, self.model_path, self.plan, rollout=self.rollout,
             prompt_len=self.prompt_len, actor_lr=c.lr, critic_lr=c.critic_lr, max_grad_norm=c.max_grad_norm,
             need_ref=c.kl_coef > 0, need_critic=self.use_critic, seed=c.seed, colocate_rollout=not split,
-            timeout_s=c.timeout_s, name="rl", cpus_per_worker=cpus)
+            timeout_s=c.timeout_s, name="rl", cpus_per_worker=cpus, owner=self)
+        self._held.append(self.group)
         if split:
             try:
                 self.rollout_group = WorkerGroup(
                     self.cluster, self.rollout_workers, RolloutWorker, self.model_path, rollout=self.rollout,
                     prompt_len=self.prompt_len, seed=c.seed, init_process_group=False, timeout_s=c.timeout_s,
-                    name="rollout", cpus_per_worker=cpus)
+                    name="rollout", cpus_per_worker=cpus, owner=self)
+                self._held.append(self.rollout_group)
             except BaseException:
                 self.close()
                 raise
@@ -208,8 +230,11 @@ class Trainer:
         """Run ``steps`` RL steps (continuing from ``self.step``); returns ``metrics``."""
         from rlkit.widgets.live import LiveView, save_plots
 
+        if self.group is None:
+            raise TrainerError("this Trainer was closed (trainer.close(), or a newer Trainer in this notebook took "
+                               "its workers); make a new Trainer, or Trainer.load a checkpoint")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(self._state_config(), indent=2, default=str))
+        _write_atomic(self.run_dir / "config.json", json.dumps(self._state_config(), indent=2, default=str))
         self._total = self.step + steps
         live = LiveView(self._total, mode=view, title=f"{self.algorithm} on {self.plan.describe()}")
         try:
@@ -384,9 +409,9 @@ class Trainer:
     def _log(self, row: dict[str, Any], prompts: list[dict[str, Any]], gen: dict[str, Any],
              scores: torch.Tensor) -> None:
         self._rows_log.append(row)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+        # metrics.jsonl is always this trainer's history (== self.metrics), rewritten atomically: a crash
+        # never leaves half a line, and a resumed run never repeats step numbers (see load)
+        _write_atomic(self.run_dir / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in self._rows_log))
         for i, u in enumerate(gen["uid"]):
             self._samples.append({"step": self.step, "prompt": prompts[u]["prompt"],
                                   "completion": gen["completion"][i], "reward": float(scores[i])})
@@ -455,9 +480,25 @@ class Trainer:
         self.group.call("load", str(path.absolute()), timeout=config.timeout_s)
         if self.rollout_group is not None:
             self._sync_weights()
-        self.step, self._rows_log = state["step"], state["rows"]
+        self.step, self._rows_log = state["step"], [r for r in state["rows"] if r.get("step", 0) <= state["step"]]
         if state.get("kl_coef") is not None and hasattr(self.kl_ctl, "value"):
             self.kl_ctl.value = state["kl_coef"]
+        # One truthful history: roll metrics.jsonl back to the checkpoint. Rows the earlier run logged after
+        # it (steps this run does again) move to metrics.rolled_back.jsonl instead of repeating step numbers.
+        metrics = self.run_dir / "metrics.jsonl"
+        later = []
+        if metrics.exists():
+            for line in metrics.read_text().splitlines():
+                try:
+                    r = json.loads(line)
+                except ValueError:  # a torn line of an older rlkit's append
+                    continue
+                if isinstance(r, dict) and r.get("step", 0) > self.step:
+                    later.append(line + "\n")
+        if later:
+            old = self.run_dir / "metrics.rolled_back.jsonl"
+            _write_atomic(old, (old.read_text() if old.exists() else "") + "".join(later))
+        _write_atomic(metrics, "".join(json.dumps(r) + "\n" for r in self._rows_log))
         return self
 
     def _state_config(self) -> dict[str, Any]:
@@ -467,9 +508,9 @@ class Trainer:
                 "rollout": dataclasses.asdict(self.rollout), "config": dataclasses.asdict(self.config)}
 
     def close(self) -> None:
-        """Stop the worker groups (the cluster stays up)."""
+        """Stop the worker groups and give their CPUs/GPUs back (the cluster stays up). Idempotent."""
         for name in ("rollout_group", "group"):
-            group = getattr(self, name)
+            group = getattr(self, name, None)
             if group is not None:
                 try:
                     group.call("close", timeout=30)
@@ -477,6 +518,9 @@ class Trainer:
                     pass  # a broken group is torn down below all the same
                 group.shutdown()
                 setattr(self, name, None)
+        held = getattr(self, "_held", None)
+        if held is not None:
+            _shutdown_groups(held)
 
     def __enter__(self) -> Trainer:
         return self
@@ -486,6 +530,38 @@ class Trainer:
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same folder and ``os.replace``: readers (and a
+    crash) see the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _shutdown_groups(groups: list[Any]) -> None:
+    """Shut down and forget ``groups`` (a Trainer's finalizer: must not refer to the Trainer)."""
+    while groups:
+        try:
+            groups.pop().shutdown(polite=False)
+        except Exception:  # Ray already gone (interpreter exit, cluster shut down)
+            pass
+
+
+def _interactive() -> bool:
+    """True inside IPython / Jupyter (where a cell that builds a Trainer is often run again)."""
+    import sys
+
+    ipy = sys.modules.get("IPython")
+    try:
+        return ipy is not None and ipy.get_ipython() is not None
+    except Exception:
+        return False
+
+
 @contextmanager
 def _timer(t: dict[str, float], name: str):
     t0 = time.perf_counter()

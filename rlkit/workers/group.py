@@ -22,6 +22,7 @@ import re
 import socket
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,9 @@ if TYPE_CHECKING:
 _POLL_S = 0.2  # how often a wait wakes up: keeps Ctrl-C responsive and failures reported early
 _GRACE_S = 1.0  # after one rank fails, how long to let its peers' failures (a dead process) arrive
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# Every rank's env unless the caller sets these: no progress bars (HF "Loading weights", tqdm) flooding the
+# notebook / terminal once per rank. Warnings and errors still come through (and tracebacks reach WorkerError).
+QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
 
 
 class WorkerTimeoutError(WorkerError, TimeoutError):
@@ -72,6 +76,7 @@ class _RankWorker:
               dist_timeout_s: float, worker_cls: Callable, args: tuple, kwargs: dict) -> dict[str, float]:
         os.environ.update(env)
         t0 = time.perf_counter()
+        _quiet_progress_bars()
         if init_pg or "torch" in sys.modules:  # a worker that never touches torch stays light
             import torch
 
@@ -110,6 +115,27 @@ class _RankWorker:
             if dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group()
         return True
+
+
+def _quiet_progress_bars() -> None:
+    """Progress bars off in this worker when asked by env (QUIET_ENV): for transformers / huggingface_hub
+    already imported too (the env variables only reach libraries imported later)."""
+    if os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") != "1":
+        return
+    if "transformers" in sys.modules:
+        try:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        except Exception:  # an old / odd transformers: the env variables still apply
+            pass
+    if "huggingface_hub" in sys.modules:
+        try:
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()
+        except Exception:
+            pass
 
 
 def _ship_by_value(obj: Any) -> None:
@@ -189,6 +215,12 @@ class WorkerGroup:
         dist_timeout_s: torch.distributed timeout: how long a collective waits for a missing peer.
         env: extra environment variables for every rank.
         cpus_per_worker: CPUs per rank when making the pool (default: the cluster's).
+        placement_timeout_s: how long to wait for the pool's resources (default: the cluster's
+            ``timeout_s``, 30 s); then a ``ClusterError`` says what is needed, what is free and which
+            groups hold the rest.
+        owner: the object this group works for (a ``Trainer``). Held weakly: once it is gone, the
+            cluster releases the group when it needs room. Its ``_holder_label`` (if any) names it in
+            "held by" reports.
 
     >>> class Adder:
     ...     def __init__(self, base): self.base = base
@@ -202,7 +234,7 @@ class WorkerGroup:
                  pool: ResourcePool | None = None, timeout_s: float = 300, dist_timeout_s: float = 300,
                  env: dict[str, str] | None = None, init_process_group: bool = True,
                  backend: str | None = None, name: str | None = None, cpus_per_worker: float | None = None,
-                 **kwargs: Any) -> None:
+                 placement_timeout_s: float | None = None, owner: Any = None, **kwargs: Any) -> None:
         import ray
 
         from rlkit.plan.topology import ParallelPlan
@@ -214,10 +246,12 @@ class WorkerGroup:
         self.cluster, self.worker_cls, self.name = cluster, worker_cls, name or getattr(worker_cls, "__name__", "workers")
         self.timeout_s, self.world_size = float(timeout_s), self.plan.world_size
         self._closed, self._broken = False, None
+        self._owner = weakref.ref(owner) if owner is not None else None
+        self._owner_label = getattr(owner, "_holder_label", None) or (type(owner).__name__ if owner is not None else None)
         self.timings: dict[str, float] = {}
         t0 = time.perf_counter()
         if pool is None:
-            pool = cluster.placement_group_for(self.plan, name=self.name, timeout_s=timeout_s,
+            pool = cluster.placement_group_for(self.plan, name=self.name, timeout_s=placement_timeout_s,
                                                cpus_per_worker=cpus_per_worker)
             self._owns_pool = True
         else:
@@ -233,7 +267,7 @@ class WorkerGroup:
         try:
             _ship_by_value(worker_cls)
             actor = _actor_cls()
-            user_env = {k: str(v) for k, v in (env or {}).items()}
+            user_env = {**QUIET_ENV, **{k: str(v) for k, v in (env or {}).items()}}
             self.actors = [actor.options(**pool.actor_options(r), name=None).remote(r, self.world_size, user_env)
                            for r in range(self.world_size)]
             self.info = self._gather([a.info.remote() for a in self.actors], list(range(self.world_size)),
@@ -412,6 +446,21 @@ class WorkerGroup:
             tb = _ANSI.sub("", getattr(e, "traceback_str", None) or str(e))
             return WorkerError(f"{msg} (in {what!r}){also}", rank=rank, node=self._node(rank), remote_traceback=tb)
         return WorkerError(f"{type(e).__name__}: {e} (in {what!r}){also}", rank=rank, node=self._node(rank))
+
+    # ---- ownership ---------------------------------------------------------------------------
+    def owner_gone(self) -> bool:
+        """True when this group was made for an owner object that no longer exists."""
+        return self._owner is not None and self._owner() is None
+
+    def holder_line(self) -> str:
+        """What this group holds and how to free it, in one line (for "could not reserve" reports)."""
+        pool = getattr(self, "pool", None)
+        held = f"{self.world_size} x " + (" + ".join(f"{v / pool.colocate:g} {k}" for k, v in pool.bundle.items())
+                                          if pool is not None else "?")
+        if self._owner_label is not None:
+            how = "trainer.close()" if "Trainer" in self._owner_label else "close its owner"
+            return f"WorkerGroup {self.name!r} ({held}) of {self._owner_label}: free it with {how}"
+        return f"WorkerGroup {self.name!r} ({held}): free it with group.shutdown()"
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def shutdown(self, polite: bool = True, timeout_s: float = 10) -> None:

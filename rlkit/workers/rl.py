@@ -173,7 +173,15 @@ class RolloutWorker:
 
 def rollout_to_batch(engine: Any, batch: dict[str, Any], seed: int, P: int, R: int, **overrides: Any) -> dict[str, Any]:
     """Generate for ``batch["prompt"]`` and lay the samples out as ``[prompt left-padded to P | response
-    right-padded to R]`` with masks, the rollout's log-probs and each sample's prompt ``uid`` / ``row``."""
+    right-padded to R]`` with masks, the rollout's log-probs and each sample's prompt ``uid`` / ``row``.
+
+    >>> from rlkit.models import tiny_lm
+    >>> from rlkit.rollout import HFEngine
+    >>> engine = HFEngine(tiny_lm("qwen2", size="test"), n=2, max_new_tokens=4, ignore_eos=True)
+    >>> b = rollout_to_batch(engine, {"prompt": ["ab", "12+7="], "uid": [0, 1], "row": [5, 9]}, 0, P=8, R=4)
+    >>> tuple(b["input_ids"].shape), b["uid"], b["row"], b["response_mask"].sum().item()
+    ((4, 12), [0, 0, 1, 1], [5, 5, 9, 9], 16.0)
+    """
     out = engine.generate(list(batch["prompt"]), seed=seed, **overrides)
     n = out.response_ids.shape[0]
     ids = torch.full((n, P + R), engine.pad_token_id, dtype=torch.long)
