@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -118,8 +117,25 @@ def test_fsdp_padding_and_uneven_shards_hand_computed():
     assert df.param_tensors.tolist() == [3 * 9 + 3] * 3
 
 
-def test_matches_bytes_measured_with_torch_fsdp2_tp_pp():
-    # per-rank (weights, grads, optimizer) measured with torch 2.13 on gloo (see test_torch_* below)
+def test_fsdp2_tp_padding_hand_computed():
+    # Tiny qwen2 (h=48, q=48, kv=24, i=100, V=251, 3 layers, qkv bias, tied) on dp=2 x tp=2, fp32.
+    # TP-local rows, then FSDP2 pads each to ceil(rows/2) on both shards:
+    #   q 24->12 x48, k/v 12->6 x48, o 48->24 x24, gate/up 50->25 x48, down 48->24 x50, 2 norms 24,
+    #   biases 12+6+6: 576+288+288+576+1200+1200+1200+48+24 = 5400 per layer.
+    #   root: tp>1 unties the embedding (two tensors); vocab 251 -> 126 / 125 rows per TP rank,
+    #   ceil(./2) = 63 rows x 48 each = 3024 per tensor, + final norm 24: 6072.
+    per_rank = 3 * 5400 + 6072
+    assert 4 * per_rank == 89088
+    # Adam states are zeros_like the unpadded shard: TP rank 1, shard 1 holds 125 - 63 = 62 rows of
+    # each vocab tensor, 2 x 48 fewer elements. Ranks are tp-fastest: rank 3 = (dp 1, tp 1).
+    df = estimate_memory(ParallelPlan(dp=2, tp=2), TINY_QWEN_TIED, precision="fp32")
+    assert df.weights.tolist() == df.grads.tolist() == [4 * per_rank] * 4
+    assert df.optimizer.tolist() == [8 * per_rank] * 3 + [8 * (per_rank - 96)]
+
+
+def test_matches_bytes_recorded_from_the_torch_check():
+    # per-rank (weights, grads, optimizer) as recorded from a run of the slow torch check below
+    # (test_torch_fsdp2_tp_pp_bytes_match_estimate, torch 2.13 on gloo), which measures them for real
     cases = {
         (("dp", 2), ("tp", 2)): (TINY_QWEN_TIED, [(89088, 89088, 178176)] * 3 + [(89088, 89088, 177408)]),
         (("dp", 2), ("pp", 2)): (TINY_QWEN_TIED, [(110208, 110208, 220416), (110208, 110208, 220032),
@@ -295,14 +311,12 @@ def test_compare_memory_side_by_side():
 
 
 # ---- speed and errors ------------------------------------------------------------------------------------
-def test_512_ranks_well_under_a_second():
+def test_512_ranks_one_row_each():
+    # (its speed is measured in bench/bench_search.py, not asserted here)
     plan = ParallelPlan(dp=4, tp=8, pp=16, devices_per_node=8)
-    t0 = time.perf_counter()
     df = estimate_memory(plan, "llama-3-70b", roles=("actor", "reference"), device_memory="80GB",
                          rollout=RolloutMemory(tp=8, gpu_memory_utilization=0.4))
-    elapsed = time.perf_counter() - t0
     assert len(df) == 512 and df["rank"].tolist() == list(range(512))
-    assert elapsed < 1.0, elapsed
     # ranks of one pipeline stage are identical here (every split is even)
     assert df.groupby("pp").total.nunique().eq(1).all()
     # rows follow the plan's coordinates

@@ -7,6 +7,7 @@ import pytest
 
 from rlkit.errors import PlanError
 from rlkit.plan import ParallelPlan
+from rlkit.plan.memory import _in_flight
 from rlkit.plan.schedule import (
     bubble_fraction,
     idle_fraction,
@@ -166,7 +167,6 @@ def test_plot_timeline_draws_every_op():
 @pytest.mark.parametrize("pp,m", [(4, 4), (4, 8), (8, 16)])
 def test_memory_model_in_flight_matches_timeline(schedule, vpp, pp, m):
     # rlkit.plan.memory uses closed forms for activations in flight; the simulated timeline checks them
-    memory = pytest.importorskip("rlkit.plan.memory")
     plan = ParallelPlan(pp=pp, vpp=vpp, micro_batches=m, schedule=schedule)
     measured = peak_in_flight(plan.pipeline()) * vpp  # in chunks, the memory model's unit
-    assert measured.tolist() == [memory._in_flight(plan, r) for r in range(pp)]
+    assert measured.tolist() == [_in_flight(plan, r) for r in range(pp)]

@@ -1,26 +1,25 @@
 """Throughput estimate, plan search and recommend: rankings that must come out right, numbers that
 follow from the stated formulas, and clear errors."""
 
-import time
-
 import pytest
 
 from rlkit.errors import PlanError
 from rlkit.plan import GPUS, ParallelPlan, as_spec, estimate_generation
 from rlkit.plan.search import recommend, search_plans
 
-# the training-step model needs the communication estimate (rlkit/plan/comm.py)
-pytest.importorskip("rlkit.plan.comm")
-
 
 # ---- generation (decode) throughput: bytes read per token / HBM bandwidth --------------------------
-def test_generation_is_memory_bound_and_matches_formula():
+def test_generation_is_memory_bound_hand_computed():
+    # qwen2.5-7b by hand: 7,615,616,512 params x 2 bytes = 15,231,233,024 B of bf16 weights; KV cache
+    # 2 (K, V) x 28 layers x 4 KV heads x 128 x 2 B = 57,344 B/token at an average context of
+    # 512 + 512/2 = 768 tokens = 44,040,192 B. H100 HBM3 3.35 TB/s x 0.8 = 2.68e12 B/s, so one token
+    # takes 15,275,273,216 / 2.68e12 = 5.69973 ms: 175.447 tokens/s.
     spec = as_spec("qwen2.5-7b")
+    assert spec.num_params == 7_615_616_512 and spec.kv_bytes_per_token(2) == 57_344
+    assert GPUS["H100"]["hbm_bw"] == 3.35e12
     r = estimate_generation(spec, gpu="H100", batch=1, prompt_len=512, response_len=512)
-    kv = (512 + 256) * spec.kv_bytes_per_token(2)
-    expected = 1 / ((spec.num_params * 2 + kv) / (GPUS["H100"]["hbm_bw"] * 0.8))
     assert r["bound"] == "memory"
-    assert r["tokens_per_s"] == pytest.approx(expected, rel=1e-9)
+    assert r["tokens_per_s"] == pytest.approx(175.447, rel=1e-5)
     assert 150 < r["tokens_per_s"] < 200  # ~15 GB of weights per token at ~2.7 TB/s
     # batching reuses each weight read: far more tokens/s; TP halves the bytes each GPU reads
     assert estimate_generation(spec, batch=64)["tokens_per_s"] > 20 * r["tokens_per_s"]
@@ -71,11 +70,9 @@ def test_throughput_bad_inputs():
 
 
 # ---- search -------------------------------------------------------------------------------------------
-def test_search_72b_on_64_gpus_is_fast_complete_and_ranked():
-    t0 = time.perf_counter()
+def test_search_72b_on_64_gpus_is_complete_and_ranked():
+    # (its speed is measured in bench/bench_search.py, not asserted here)
     df = search_plans("qwen2.5-72b", gpus=64, gpu_memory="80GB", seq_len=4096)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 10, f"search took {elapsed:.1f}s"  # a few seconds on one laptop core
     valid = df[df.valid]
     assert len(valid) > 100 and ((valid.dp * valid.tp * valid.pp) == 64).all()
     # tp must divide the 8 KV heads: tp=16/32/64 kept, with the reason

@@ -9,7 +9,6 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import matplotlib
@@ -67,12 +66,10 @@ def test_small_plan_widget_recolours_by_group_and_shows_details():
         view.dim = "ep"
 
 
-def test_512_rank_widget_builds_fast_and_colours_every_group_apart():
+def test_512_rank_widget_colours_every_group_apart():
+    # (its build time is measured in bench/bench_search.py, not asserted here)
     plan = ParallelPlan(**BIG)
-    start = time.perf_counter()
     view = PlanView(plan, model="llama-3-70b")
-    build_s = time.perf_counter() - start
-    assert build_s < 1.0, f"512-rank widget took {build_s:.2f} s"
     assert len(view.cells) == 512
     grid_rows = view.children[3].children[0].children  # header, toggle, legend, HBox(grid, details)
     assert len(grid_rows) == 64 and all(len(row.children) == 1 + 8 for row in grid_rows)  # nodes x devices

@@ -206,8 +206,25 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
     return df
 
 
+_LINKS_CACHE: dict[tuple, dict[tuple[str, str], str]] = {}
+
+
 def _links(plan: ParallelPlan, per: int, S: int) -> dict[tuple[str, str], str]:
-    """'intra' or 'inter' for each kind of group: inter when any such group spans nodes."""
+    """'intra' or 'inter' for each kind of group: inter when any such group spans nodes.
+
+    The answer depends only on the degrees, the rank order, the sharding and the node size (not on
+    micro-batches or the schedule), so it is memoised on those: a plan search asks it for many
+    plans that share a layout, and each answer enumerates every rank's groups.
+    """
+    key = (plan.dp, plan.tp, plan.pp, plan.vpp > 1, plan.order, plan.dp_shard == "hybrid_shard", per, S)
+    if key not in _LINKS_CACHE:
+        if len(_LINKS_CACHE) > 4096:
+            _LINKS_CACHE.clear()
+        _LINKS_CACHE[key] = _links_uncached(plan, per, S)
+    return dict(_LINKS_CACHE[key])
+
+
+def _links_uncached(plan: ParallelPlan, per: int, S: int) -> dict[tuple[str, str], str]:
     def kind(groups):
         return "inter" if _spans_nodes(groups, per) else "intra"
 

@@ -112,6 +112,7 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
 
     rows: list[dict] = []
     memory_cache: dict[tuple, tuple[int, bool]] = {}
+    spans_cache: dict[tuple[int, int, int], bool] = {}
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
@@ -139,8 +140,10 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
                         rows.append(row)
                         plan = ParallelPlan(dp=dp, tp=tp, pp=pp, vpp=vpp, dp_shard=shard, dp_shard_size=size,
                                             micro_batches=m if pp > 1 else None, devices_per_node=per_node)
+                        if (dp, tp, pp) not in spans_cache:  # depends on the degrees only
+                            spans_cache[(dp, tp, pp)] = bool(plan.placement_warnings(per_node))
                         row.update(plan=plan, schedule=plan.pipeline_schedule if pp > 1 else "none",
-                                   tp_spans_nodes=bool(plan.placement_warnings(per_node)))
+                                   tp_spans_nodes=spans_cache[(dp, tp, pp)])
                         # activations in flight stop growing once m >= 2 pp (1F1B / interleaved)
                         key = (dp, tp, pp, vpp, shard, size, min(m, 2 * pp))
                         if key not in memory_cache:
