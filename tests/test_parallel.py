@@ -89,12 +89,13 @@ def test_3d_dp2_tp2_pp2_matches_single_process_and_resumes(tmp_path, tiny_paths)
 
 @pytest.mark.dist
 def test_failing_rank_is_named_everywhere_promptly(tmp_path, tiny_paths):
-    res = launch(2, ["--dp", "2", "--model", tiny_paths["qwen2"], "--fail-rank", "1", "--timeout", "120"],
-                 tmp_path, timeout=120)
+    # The process-group timeout (600 s) is far above the launcher's anti-hang kill (180 s): exit code 3
+    # on both ranks (not a kill, -9) means the healthy rank learned of the failure without waiting it out.
+    res = launch(2, ["--dp", "2", "--model", tiny_paths["qwen2"], "--fail-rank", "1", "--timeout", "600"],
+                 tmp_path, timeout=180)
     assert res.returncodes == [3, 3], res.log()
     for text in res.logs:
         assert "WorkerError(rank=1)" in text and "injected failure on rank 1" in text, res.log()
-    assert res.seconds < 100  # far below the 120 s process-group timeout: nobody waited it out
 
 
 # ---- the other layouts (slow: run with -m slow) ----------------------------------------------------
