@@ -98,6 +98,22 @@ def test_failing_rank_is_named_everywhere_promptly(tmp_path, tiny_paths):
         assert "WorkerError(rank=1)" in text and "injected failure on rank 1" in text, res.log()
 
 
+# TP and PP training on their own, in the default suite: loss, grads and weights after 3 AdamW steps
+# against the single-process model (tolerances above), on the cheapest models
+DEFAULT_PLANS = {
+    "tp2": (2, ["--tp", "2"], "llama"),
+    "pp2_1f1b": (2, ["--pp", "2", "--schedule", "1f1b", "--micro-batches", "2"], "qwen2"),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(DEFAULT_PLANS))
+def test_tp_and_pp_training_match_single_process(tmp_path, tiny_paths, name):
+    nprocs, args, arch = DEFAULT_PLANS[name]
+    rep = run_plan(tmp_path, tiny_paths, nprocs, *args, arch=arch)
+    assert rep["world_size"] == 2 and name.split("_")[0][:2] in rep["plan"]
+
+
 # ---- the other layouts (slow: run with -m slow) ----------------------------------------------------
 SLOW_PLANS = {
     "dp2_full_shard": (2, ["--dp", "2"], "qwen2"),
@@ -105,7 +121,6 @@ SLOW_PLANS = {
     "dp2_full_shard_ac": (2, ["--dp", "2", "--activation-checkpointing"], "llama"),
     "dp2_shard_grad_op": (2, ["--dp", "2", "--dp-shard", "shard_grad_op"], "llama"),
     "dp4_hybrid_shard": (4, ["--dp", "4", "--dp-shard", "hybrid_shard", "--dp-shard-size", "2"], "qwen2"),
-    "tp2": (2, ["--tp", "2"], "llama"),
     "pp2_gpipe": (2, ["--pp", "2", "--schedule", "gpipe", "--micro-batches", "4"], "llama"),
     "pp3_1f1b_uneven": (3, ["--pp", "3", "--micro-batches", "3"], "qwen2"),
     "pp2_vpp2_interleaved": (2, ["--pp", "2", "--vpp", "2", "--micro-batches", "2"], "qwen2"),

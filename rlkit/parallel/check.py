@@ -184,13 +184,13 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
             report["max_dlogprob_gathered_model"] = (a - r).abs().max().item()
 
     # 4b. re-layout into a generation layout (pp=1, TP over pairs of ranks when the world allows)
-    from rlkit.parallel.relayout import relayout, tp_shard
+    from rlkit.parallel.relayout import relayout
 
     world = plan.world_size
     target = ParallelPlan(dp=world // 2, tp=2) if world % 2 == 0 and head == "lm" else ParallelPlan(dp=world)
     shards, rel = relayout(pm, target)
     tp_rank = target.coords(rank)["tp"]
-    drel = max((shards[k] - tp_shard(k, v.detach(), target.tp, tp_rank, ref.config)).abs().max().item()
+    drel = max((shards[k] - _megatron_tp_slice(k, v.detach(), target.tp, tp_rank)).abs().max().item()
                for k, v in ref_named.items())
     report.update(relayout_plan=target.describe(), max_drelayout=_max(torch.tensor(drel)),
                   relayout_bytes=rel["bytes"], relayout_seconds=rel["seconds"], relayout_held_bytes=rel["held_bytes"])
@@ -266,3 +266,21 @@ def format_report(rep: dict[str, Any]) -> str:
 def _fmt(v: Any) -> str:
     return f"{v:.3e}" if isinstance(v, float) else str(v)
 
+
+# Megatron's TP split, spelled out by module name for the check (independent of rlkit's own shard_dim):
+# column-parallel projections, the vocab-parallel embedding and lm_head split their output dim (0),
+# row-parallel projections their input dim (1); norms and the rest stay whole.
+_TP_DIM0 = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+_TP_DIM1 = ("o_proj", "down_proj")
+
+
+def _megatron_tp_slice(name: str, full: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    module, param = name.split(".")[-2:]
+    if module in _TP_DIM0:
+        dim = 0
+    elif module in _TP_DIM1 and param == "weight":
+        dim = 1
+    else:
+        return full
+    size = full.shape[dim] // tp
+    return full.narrow(dim, tp_rank * size, size)
