@@ -36,3 +36,15 @@ def ray_make_cluster(ray_session_end):
 def ray_cluster(ray_make_cluster):
     """A live embedded 4-CPU cluster."""
     return ray_make_cluster()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module: tiny matmuls gain nothing from 2 threads, and on a busy 2-core box
+    they lose a lot to oversubscription."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

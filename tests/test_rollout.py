@@ -13,17 +13,11 @@ from _logprob_ref import forward_logprobs, max_masked_diff
 from rlkit.models import load, tiny_lm
 from rlkit.rollout import HFEngine, PromptTooLongError, Rollout, RolloutError, make_engine, vllm_available
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PROMPTS = ["the quick brown fox", "12+7=", "what is the answer ? the answer is"]
 TOL = 1e-4  # fp32 log-prob agreement with a forward pass
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # tiny matmuls gain nothing from 2 threads, and on a busy 2-core box they lose a lot to oversubscription
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import rlkit
 from rlkit.models import load, tiny_lm
 from rlkit.rollout import HFEngine, RolloutError
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_torch_thread")]
 
 if os.environ.get("RLKIT_REQUIRE_VLLM") == "1":
     import vllm  # noqa: F401  (the vLLM venv must have it: fail loudly, never skip)
@@ -27,13 +27,6 @@ TOL = 1e-4  # fp32 log-prob agreement with a forward pass
 # vLLM's CPU attention needs head_dim >= 32: the "test" size with 2 heads (head_dim 32, still GQA)
 VLLM_MODEL = dict(arch="qwen2", size="test", num_attention_heads=2, num_key_value_heads=1)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
