@@ -81,23 +81,13 @@ def _train(args: argparse.Namespace) -> int:
     from rlkit.errors import RlkitError
 
     try:
-        tasks = {"repeat": rlkit.tasks.repeat, "arithmetic": rlkit.tasks.arithmetic}
-        if cfg["task"] not in tasks:  # checked first: fails before any model is built
-            raise RlkitError(f"task={cfg['task']!r}: choose one of {sorted(tasks)}")
-        task = tasks[cfg["task"]]
-        model = cfg["model"]
+        trainer_kw = _checked_train_config(cfg)  # every flag, before any model is built or worker started
+        model = trainer_kw.pop("model")
         if model.startswith("tiny-"):
             model = rlkit.models.tiny_lm(model.split("-", 1)[1], size="small")
         if cfg.get("sft_steps"):
-            model = rlkit.tasks.sft_warmstart(model, task, steps=cfg["sft_steps"])
-        plan = rlkit.ParallelPlan(dp=cfg["dp"], tp=cfg["tp"], pp=cfg["pp"], micro_batches=cfg.get("micro_batches"))
-        rollout = rlkit.Rollout(engine=cfg["engine"], n=cfg["n"], max_new_tokens=cfg["max_new_tokens"],
-                                temperature=cfg.get("temperature", 1.0))
-        extra = {k: cfg[k] for k in ("lr", "prompts_per_step", "kl_coef", "epochs", "minibatches", "seed", "run_dir")
-                 if cfg.get(k) is not None}
-        cluster = rlkit.Cluster(cfg["address"]) if cfg.get("address") else None
-        with rlkit.Trainer(model=model, dataset=task, algorithm=cfg["algorithm"], plan=plan, rollout=rollout,
-                           cluster=cluster, **extra) as trainer:
+            model = rlkit.tasks.sft_warmstart(model, trainer_kw["dataset"], steps=cfg["sft_steps"])
+        with rlkit.Trainer(model=model, **trainer_kw) as trainer:
             df = trainer.fit(steps=cfg["steps"])
             cols = [c for c in ("step", "reward/mean", "kl", "entropy", "response_length/mean", "timing/step")
                     if c in df.columns]
@@ -107,6 +97,42 @@ def _train(args: argparse.Namespace) -> int:
         print(f"rlkit train: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _checked_train_config(cfg: dict) -> dict:
+    """The Trainer's arguments from the merged flags, each checked (raises RlkitError naming the flag)."""
+    import rlkit
+    from rlkit.checks import integer
+    from rlkit.errors import RlkitError
+    from rlkit.hub import check_checkpoint, resolve_model
+    from rlkit.models.tiny import ARCHS
+    from rlkit.trainer import ALGORITHMS, TrainerConfig
+
+    tasks = {"repeat": rlkit.tasks.repeat, "arithmetic": rlkit.tasks.arithmetic}
+    if cfg["task"] not in tasks:
+        raise RlkitError(f"task={cfg['task']!r}: choose one of {sorted(tasks)}")
+    if cfg["algorithm"] not in ALGORITHMS:
+        raise RlkitError(f"algorithm={cfg['algorithm']!r}: choose one of {sorted(ALGORITHMS)}")
+    integer("steps", cfg["steps"], hint="RL steps to run, e.g. --steps 20")
+    integer("sft_steps", cfg.get("sft_steps") or 0, ge=0, hint="0: no supervised warm start")
+    model = cfg["model"]
+    if model.startswith("tiny-"):
+        if model.split("-", 1)[1] not in ARCHS:
+            raise RlkitError(f"model={model!r}: the tiny models are {['tiny-' + a for a in ARCHS]}; or pass a "
+                             f"checkpoint folder or hub id")
+    else:
+        model = resolve_model(model)
+        check_checkpoint(model)
+    plan = rlkit.ParallelPlan(dp=cfg["dp"], tp=cfg["tp"], pp=cfg["pp"], micro_batches=cfg.get("micro_batches"))
+    if not model.startswith("tiny-"):
+        plan.validate(model=model)
+    rollout = rlkit.Rollout(engine=cfg["engine"], n=cfg["n"], max_new_tokens=cfg["max_new_tokens"],
+                            temperature=cfg.get("temperature", 1.0))
+    config = TrainerConfig(**{k: cfg[k] for k in ("lr", "prompts_per_step", "kl_coef", "epochs", "minibatches",
+                                                  "seed", "run_dir") if cfg.get(k) is not None})
+    cluster = rlkit.Cluster(cfg["address"]) if cfg.get("address") else None
+    return {"model": model, "dataset": tasks[cfg["task"]], "algorithm": cfg["algorithm"], "plan": plan,
+            "rollout": rollout, "config": config, "cluster": cluster}
 
 
 if __name__ == "__main__":

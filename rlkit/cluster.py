@@ -49,10 +49,12 @@ class OversubscribedWarning(UserWarning):
 def _split_address(address: str) -> tuple[str, int] | None:
     """'ray://h:p' or 'h:p' -> (h, p); None for 'auto' / 'local' (Ray finds those itself)."""
     rest = address.split("://", 1)[1] if "://" in address else address
-    if rest in ("auto", "local") or ":" not in rest:
+    if rest in ("auto", "local"):
         return None
     host, _, port = rest.rpartition(":")
     try:
+        if not host:
+            raise ValueError(port)
         return host.strip("[]"), int(port)
     except ValueError:
         raise ClusterError(f"address={address!r} is not 'host:port', 'ray://host:port' or 'auto'") from None

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from rlkit.errors import RlkitError
+from rlkit.hub import check_checkpoint, resolve_model
 from rlkit.plan.topology import ParallelPlan
 from rlkit.rollout import Rollout
 
@@ -76,12 +77,49 @@ class TrainerConfig:
     keep_samples: int = 512              # rows kept for samples()
 
     def __post_init__(self) -> None:
-        for name in ("prompts_per_step", "epochs", "minibatches", "train_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise TrainerError(f"{name}={v!r} must be a positive integer")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise TrainerError(f"lr_schedule={self.lr_schedule!r}: choose 'constant' or 'cosine'")
+        from rlkit.algos import AGG_MODES, KL_KINDS
+        from rlkit.checks import boolean, choice, integer, number
+
+        err = {"error": TrainerError}
+        integer("prompts_per_step", self.prompts_per_step, hint="e.g. prompts_per_step=8", **err)
+        integer("epochs", self.epochs, hint="1 is on-policy; PPO often uses 2-4", **err)
+        integer("minibatches", self.minibatches, hint="1: one optimizer step per epoch", **err)
+        integer("train_size", self.train_size, hint="rows taken from a Task's train split", **err)
+        integer("lr_warmup_steps", self.lr_warmup_steps, ge=0, hint="0 turns warm-up off", **err)
+        integer("seed", self.seed, ge=0, **err)
+        integer("keep_samples", self.keep_samples, ge=0, hint="0 keeps no samples", **err)
+        number("lr", self.lr, gt=0, hint="e.g. lr=1e-5 for a pretrained model, 2e-3 for a tiny one", **err)
+        number("critic_lr", self.critic_lr, gt=0, hint="e.g. critic_lr=1e-4", **err)
+        choice("lr_schedule", self.lr_schedule, ("constant", "cosine"), **err)
+        number("clip_low", self.clip_low, ge=0, lt=1, hint="PPO uses 0.2", **err)
+        number("clip_high", self.clip_high, ge=0, hint="PPO uses 0.2; DAPO's clip-higher 0.28", **err)
+        if self.clip_high < self.clip_low:
+            raise TrainerError(f"clip_high={self.clip_high} < clip_low={self.clip_low}: the ratio's upper clip "
+                               f"must be at least its lower one (clip-higher widens it); e.g. clip_high="
+                               f"{self.clip_low}")
+        number("dual_clip", self.dual_clip, gt=1, none_ok=True, hint="e.g. dual_clip=3.0", **err)
+        choice("loss_agg", self.loss_agg, AGG_MODES, **err)
+        number("kl_coef", self.kl_coef, ge=0, hint="0 turns the KL term (and the reference model) off", **err)
+        choice("kl_kind", self.kl_kind, KL_KINDS, **err)
+        boolean("kl_in_reward", self.kl_in_reward, **err)
+        number("kl_target", self.kl_target, gt=0, none_ok=True, hint="e.g. kl_target=0.1 (None: fixed kl_coef)",
+               **err)
+        if self.kl_target is not None and not (self.kl_in_reward and self.kl_coef > 0):
+            raise TrainerError(f"kl_target={self.kl_target} adapts the KL penalty in the reward, so it needs "
+                               f"kl_in_reward=True and kl_coef > 0 (got kl_in_reward={self.kl_in_reward}, "
+                               f"kl_coef={self.kl_coef}); set both, or kl_target=None")
+        number("entropy_coef", self.entropy_coef, ge=0, hint="0 turns the entropy bonus off; e.g. 1e-3", **err)
+        number("max_grad_norm", self.max_grad_norm, gt=0, none_ok=True, hint="None turns clipping off", **err)
+        number("gamma", self.gamma, ge=0, le=1, hint="1.0 for LLM RL", **err)
+        number("lam", self.lam, ge=0, le=1, hint="1.0 for LLM RL, 0.95 in classic PPO", **err)
+        number("value_clip", self.value_clip, gt=0, none_ok=True, hint="PPO uses 0.2; None turns it off", **err)
+        if self.run_dir is not None:
+            if not isinstance(self.run_dir, (str, os.PathLike)) or not str(self.run_dir):
+                raise TrainerError(f"run_dir={self.run_dir!r} must be a folder path, or None for ./runs/<time>")
+            if Path(self.run_dir).exists() and not Path(self.run_dir).is_dir():
+                raise TrainerError(f"run_dir={str(self.run_dir)!r} is a file; metrics go in a folder: choose "
+                                   f"another path")
+        number("timeout_s", self.timeout_s, gt=0, hint="a bound on each worker call, e.g. 600", **err)
 
 
 class RewardError(TrainerError):
@@ -116,15 +154,25 @@ class Trainer:
                  plan: ParallelPlan | None = None, rollout: Rollout | None = None, cluster: Any = None,
                  config: TrainerConfig | None = None, callbacks: Sequence[Callable] = (),
                  placement: str = "colocated", rollout_workers: int = 1, **overrides: Any):
-        self.config = dataclasses.replace(config or TrainerConfig(), **overrides)
-        self.model_path = str(model)
-        self.algorithm = algorithm.lower()
-        if self.algorithm not in ALGORITHMS:
+        # Everything is checked here, in the driver, before a worker starts: each error names the value.
+        self.config = _config_with(config, overrides)
+        self.model_path = resolve_model(model)
+        check_checkpoint(self.model_path)
+        if not isinstance(algorithm, str) or algorithm.lower() not in ALGORITHMS:
             raise TrainerError(f"algorithm={algorithm!r} is not known; choose one of {sorted(ALGORITHMS)}")
+        self.algorithm = algorithm.lower()
         self.estimator, self.use_critic = ALGORITHMS[self.algorithm]
+        for name, value, kind in (("plan", plan, ParallelPlan), ("rollout", rollout, Rollout)):
+            if value is not None and not isinstance(value, kind):
+                raise TrainerError(f"{name}={value!r} must be an rlkit.{kind.__name__}(...) or None")
         self.plan = plan or ParallelPlan()
         self.rollout = rollout or Rollout(n=4, max_new_tokens=16)
+        if cluster is not None and not all(hasattr(cluster, a) for a in ("cpus_per_rank", "make_room")):
+            raise TrainerError(f"cluster={cluster!r} must be an rlkit.Cluster(...) or None for an embedded one")
         self.callbacks = list(callbacks)
+        bad = next((cb for cb in self.callbacks if not callable(cb)), None)
+        if bad is not None:
+            raise TrainerError(f"callbacks holds {bad!r}, which is not callable; give functions cb(trainer, row)")
         if placement not in ("colocated", "split"):
             raise TrainerError(f"placement={placement!r}: choose 'colocated' (HybridEngine) or 'split'")
         if not isinstance(rollout_workers, int) or rollout_workers < 1:
@@ -169,7 +217,13 @@ class Trainer:
     def _prompt_len(self) -> int:
         from transformers import AutoConfig, AutoTokenizer
 
-        tok = AutoTokenizer.from_pretrained(self.model_path)
+        try:
+            tok = AutoTokenizer.from_pretrained(self.model_path)
+        except Exception as e:  # no tokenizer files, an unknown tokenizer class, a broken download
+            raise TrainerError(f"cannot load a tokenizer from model {self.model_path!r} ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:200] if str(e) else ''}); the checkpoint needs its "
+                               f"tokenizer files (tokenizer.json / tokenizer_config.json, saved with "
+                               f"tokenizer.save_pretrained)") from None
         lengths = [len(ids) for ids in tok([r["prompt"] for r in self.rows])["input_ids"]]
         context = getattr(AutoConfig.from_pretrained(self.model_path), "max_position_embeddings", None)
         longest = max(range(len(lengths)), key=lengths.__getitem__)
@@ -567,6 +621,22 @@ def _timer(t: dict[str, float], name: str):
     t0 = time.perf_counter()
     yield
     t[name] = t.get(name, 0.0) + time.perf_counter() - t0
+
+
+def _config_with(config: TrainerConfig | None, overrides: dict[str, Any]) -> TrainerConfig:
+    """``config`` (default ``TrainerConfig()``) with keyword overrides; an unknown keyword is named."""
+    if config is not None and not isinstance(config, TrainerConfig):
+        raise TrainerError(f"config={config!r} must be a TrainerConfig(...) or None; fields can also be given as "
+                           f"keywords, e.g. Trainer(..., lr=1e-5)")
+    import difflib
+
+    known = [f.name for f in dataclasses.fields(TrainerConfig)]
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            raise TrainerError(f"Trainer got an unknown keyword {key}={overrides[key]!r}"
+                               + (f"; did you mean {close[0]}?" if close else f"; TrainerConfig fields: {known}"))
+    return dataclasses.replace(config or TrainerConfig(), **overrides)
 
 
 def _rows_of(dataset: Any, config: TrainerConfig) -> tuple[Any, list[dict[str, Any]]]:

@@ -36,7 +36,7 @@ def model_tok(path):
 def test_config_errors_name_value_and_fix():
     with pytest.raises(RolloutError, match=r"engine='sglang'.*choose one of"):
         Rollout(engine="sglang")
-    with pytest.raises(RolloutError, match=r"n=0 samples"):
+    with pytest.raises(RolloutError, match=r"n=0 must be a positive integer"):
         Rollout(n=0)
     with pytest.raises(RolloutError, match=r"top_p=0"):
         Rollout(top_p=0)

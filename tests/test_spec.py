@@ -79,5 +79,5 @@ def test_from_local_path_and_model(tmp_path):
 def test_unknown_model_errors():
     with pytest.raises(PlanError, match="no bundled model named 'gpt-9'"):
         ModelSpec.from_name("gpt-9")
-    with pytest.raises(PlanError, match="cannot read a model config from '/nonexistent/x'"):
+    with pytest.raises(PlanError, match="model path '/nonexistent/x' does not exist"):
         ModelSpec.from_pretrained("/nonexistent/x")

@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run `rlkit plan` with ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
+        if args.max_rows < 1:
+            raise PlanError(f"max_rows={args.max_rows} must be a positive integer (rank-table rows shown), e.g. 32")
         plan = ParallelPlan(dp=args.dp, tp=args.tp, pp=args.pp, vpp=args.vpp, order=args.order,
                             dp_shard=args.dp_shard, dp_shard_size=args.dp_shard_size,
                             micro_batches=args.micro_batches, schedule=args.schedule,

@@ -95,17 +95,23 @@ class ModelSpec:
     @classmethod
     def from_pretrained(cls, path_or_id: str) -> ModelSpec:
         """From a local checkpoint folder (its ``config.json``) or a hub id (when the hub is reachable)."""
-        p = Path(path_or_id)
-        if p.is_dir() and (p / "config.json").exists():
+        from rlkit.hub import ModelRefError, resolve_model
+
+        try:
+            ref = resolve_model(path_or_id)  # fails fast offline, names a missing path
+        except ModelRefError as e:
+            raise PlanError(f"{e}; or use a bundled config by name: {', '.join(bundled_models())}") from None
+        p = Path(ref)
+        if p.is_dir():
             return cls.from_config(json.loads((p / "config.json").read_text()), name=p.name)
         try:
             from transformers import AutoConfig
 
-            return cls.from_config(AutoConfig.from_pretrained(path_or_id), name=str(path_or_id))
-        except Exception as e:  # hub unreachable, bad id, ...
-            raise PlanError(f"cannot read a model config from {path_or_id!r} ({type(e).__name__}); pass a "
-                            f"bundled name ({', '.join(bundled_models())}), a local folder with config.json, "
-                            f"or an HF config") from None
+            return cls.from_config(AutoConfig.from_pretrained(ref), name=ref)
+        except Exception as e:  # a bad hub id, a network error mid-download, ...
+            raise PlanError(f"cannot read a model config from {path_or_id!r} ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:200]}); pass a bundled name ({', '.join(bundled_models())}), "
+                            f"a local folder with config.json, or an HF config") from None
 
     # ---- counts ------------------------------------------------------------------------------
     @property

@@ -34,7 +34,11 @@ def _divisors(n: int) -> list[int]:
 
 def _check_degree(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        fix = f"use {name}=1 for no {'pipeline' if name in ('pp', 'vpp') else 'tensor' if name == 'tp' else 'data'} parallelism"
+        fix = {"dp": "use dp=1 for no data parallelism", "tp": "use tp=1 for no tensor parallelism",
+               "pp": "use pp=1 for no pipeline parallelism", "vpp": "use vpp=1 for one stage per pipeline rank",
+               "micro_batches": "e.g. micro_batches=pp (None: pp)",
+               "devices_per_node": "e.g. devices_per_node=8 (None: all ranks on one node)",
+               "dp_shard_size": "a divisor of dp (None: all of dp)"}.get(name, f"e.g. {name}=1")
         raise PlanError(f"{name}={value!r} must be a positive integer; {fix}")
 
 

@@ -10,6 +10,6 @@ Every reward here has TRL's batched signature ``f(prompts, completions, **column
 1
 """
 
-from rlkit.rewards.model import RewardModel, tiny_reward_model
+from rlkit.rewards.model import RewardModel, RewardModelError, tiny_reward_model
 
-__all__ = ["RewardModel", "tiny_reward_model"]
+__all__ = ["RewardModel", "RewardModelError", "tiny_reward_model"]

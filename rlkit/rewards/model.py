@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rlkit.errors import RlkitError
 from rlkit.tasks.base import completion_text
+
+
+class RewardModelError(RlkitError, ValueError):
+    """A RewardModel setting that cannot work; the message names the value and the fix."""
 
 
 class RewardModel:
@@ -57,16 +63,29 @@ class RewardModel:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size!r} must be a positive int (texts per forward pass)")
-        if not isinstance(max_length, int) or max_length < 1:
-            raise ValueError(f"max_length={max_length!r} must be a positive int (tokens kept per text)")
-        if "{completion}" not in template:
-            raise ValueError(f"template={template!r} has no '{{completion}}' field; e.g. '{{prompt}}{{completion}}'")
+        from rlkit.checks import integer
+
+        integer("batch_size", batch_size, hint="texts per forward pass, e.g. 32", error=RewardModelError)
+        integer("max_length", max_length, hint="tokens kept per text, e.g. 512", error=RewardModelError)
+        _check_template(template)
+        device = _check_device(device)
         if normalize is not None:
-            if len(normalize) != 2 or not float(normalize[1]) > 0:
-                raise ValueError(f"normalize={normalize!r} must be (mean, std) with std > 0")
+            numbers = isinstance(normalize, (tuple, list)) and len(normalize) == 2 and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in normalize)
+            if not numbers or normalize[1] <= 0:
+                raise RewardModelError(f"normalize={normalize!r} must be (mean, std), finite, with std > 0, or None")
             normalize = (float(normalize[0]), float(normalize[1]))
+        if tokenizer is not None and not callable(tokenizer):
+            raise RewardModelError(f"tokenizer={tokenizer!r} is not a tokenizer; pass an AutoTokenizer, or None to "
+                                   f"load the checkpoint's own")
+        if isinstance(path_or_model, (str, os.PathLike)):
+            from rlkit.hub import check_checkpoint, resolve_model
+
+            path_or_model = resolve_model(path_or_model, what="reward model")
+            check_checkpoint(path_or_model, what="reward model", tokenizer=tokenizer is None)
+        elif not hasattr(path_or_model, "config") or not callable(path_or_model):
+            raise RewardModelError(f"RewardModel({type(path_or_model).__name__}) needs a checkpoint folder, a hub "
+                                   f"id or a loaded AutoModelForSequenceClassification")
 
         if isinstance(path_or_model, (str, os.PathLike)):
             self.name = str(path_or_model)
@@ -76,17 +95,17 @@ class RewardModel:
             self.name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         if tokenizer is None:
             if not isinstance(path_or_model, (str, os.PathLike)) and not getattr(model.config, "_name_or_path", ""):
-                raise ValueError("RewardModel(model) needs tokenizer=...: the model has no checkpoint path to "
+                raise RewardModelError("RewardModel(model) needs tokenizer=...: the model has no checkpoint path to "
                                  "load one from")
             tokenizer = AutoTokenizer.from_pretrained(self.name)
         num_labels = getattr(model.config, "num_labels", None)
         if num_labels != 1:
-            raise ValueError(f"{self.name}: num_labels={num_labels}; a reward model has one output "
+            raise RewardModelError(f"{self.name}: num_labels={num_labels}; a reward model has one output "
                              f"(load or build it with num_labels=1)")
 
         if tokenizer.pad_token_id is None:  # common for decoder reward models: pad with eos
             if tokenizer.eos_token is None:
-                raise ValueError(f"the tokenizer of {self.name} has neither a pad nor an eos token; set "
+                raise RewardModelError(f"the tokenizer of {self.name} has neither a pad nor an eos token; set "
                                  "tokenizer.pad_token first")
             tokenizer.pad_token = tokenizer.eos_token
         text_config = model.config.get_text_config()
@@ -150,6 +169,28 @@ class RewardModel:
 
     def __repr__(self) -> str:
         return f"RewardModel({self.name!r}, max_length={self.max_length}, normalize={self.normalize})"
+
+
+def _check_template(template: Any) -> None:
+    if not isinstance(template, str) or "{completion}" not in template:
+        raise RewardModelError(f"template={template!r} has no '{{completion}}' field; e.g. '{{prompt}}{{completion}}'")
+    try:
+        template.format(prompt="", completion="")
+    except (KeyError, IndexError, ValueError) as e:
+        raise RewardModelError(f"template={template!r} cannot be filled ({type(e).__name__}: {e}); it may use only "
+                               f"{{prompt}} and {{completion}} (double other braces: {{{{ }}}})") from None
+
+
+def _check_device(device: Any) -> str:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise RewardModelError(f"device={device!r} is not a torch device ({e}); e.g. device='cpu' or 'cuda'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RewardModelError(f"device={device!r} but this machine has no CUDA device; use device='cpu'")
+    return str(device)
 
 
 def tiny_reward_model(arch: str = "qwen2", seed: int = 0, *, size: str = "test",

@@ -14,6 +14,7 @@ from rlkit.errors import RlkitError
 
 ENGINES = ("auto", "vllm", "hf")
 ON_LONG_PROMPT = ("error", "skip")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The fields a single generate() call may override; the rest are fixed when the engine starts.
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids",
                    "ignore_eos", "seed")
@@ -46,7 +47,7 @@ class Rollout:
     >>> Rollout(temperature=-1)
     Traceback (most recent call last):
     ...
-    rlkit.rollout.config.RolloutError: temperature=-1 must be >= 0 (0 means greedy); e.g. temperature=1.0
+    rlkit.rollout.config.RolloutError: temperature=-1 must be a finite number >= 0; 0 means greedy; e.g. temperature=1.0
     """
 
     engine: str = "auto"                 # "auto": vllm when importable, else hf
@@ -74,37 +75,39 @@ class Rollout:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in (self.stop_token_ids or ())))
+        ids = tuple(self.stop_token_ids or ())
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise RolloutError(f"stop_token_ids={list(ids)!r} must be token ids (integers >= 0), e.g. the id "
+                               f"of <|im_end|> from tokenizer.convert_tokens_to_ids")
+        object.__setattr__(self, "stop_token_ids", ids)
         self.check()
 
     def check(self) -> None:
-        def bad(msg: str):
-            raise RolloutError(msg)
+        """Every field, each with the value and the fix (called on construction and on overrides)."""
+        from rlkit.checks import boolean, choice, integer, number
 
-        if self.engine not in ENGINES:
-            bad(f"engine={self.engine!r} is not an engine; choose one of {list(ENGINES)}")
-        if not isinstance(self.n, int) or self.n < 1:
-            bad(f"n={self.n!r} samples per prompt must be an integer >= 1; e.g. n=4 for GRPO")
-        if self.temperature < 0:
-            bad(f"temperature={self.temperature} must be >= 0 (0 means greedy); e.g. temperature=1.0")
-        if not 0 < self.top_p <= 1:
-            bad(f"top_p={self.top_p} must be in (0, 1]; use top_p=1.0 to turn it off")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad(f"top_k={self.top_k!r} must be an integer >= 0; use top_k=0 to turn it off")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            bad(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
-        if self.max_prompt_len is not None and self.max_prompt_len < 1:
-            bad(f"max_prompt_len={self.max_prompt_len} must be >= 1, or None for the model context")
-        if self.on_long_prompt not in ON_LONG_PROMPT:
-            bad(f"on_long_prompt={self.on_long_prompt!r}; choose one of {list(ON_LONG_PROMPT)}")
-        if self.hf_batch_size is not None and self.hf_batch_size < 1:
-            bad(f"hf_batch_size={self.hf_batch_size} must be >= 1, or None for one batch")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            bad(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]; e.g. 0.5")
-        if self.kv_cache_gb <= 0:
-            bad(f"kv_cache_gb={self.kv_cache_gb} must be > 0; e.g. kv_cache_gb=1")
+        err = {"error": RolloutError}
+        choice("engine", self.engine, ENGINES, **err)
+        integer("n", self.n, hint="samples per prompt; e.g. n=4 for GRPO", **err)
+        number("temperature", self.temperature, ge=0, hint="0 means greedy; e.g. temperature=1.0", **err)
+        number("top_p", self.top_p, gt=0, le=1, hint="use top_p=1.0 to turn it off", **err)
+        integer("top_k", self.top_k, ge=-1, hint="use top_k=0 to turn it off", **err)
+        integer("max_new_tokens", self.max_new_tokens, hint="e.g. max_new_tokens=64", **err)
         if any(not isinstance(s, str) or not s for s in self.stop):
-            bad(f"stop={list(self.stop)!r} must be non-empty strings")
+            raise RolloutError(f"stop={list(self.stop)!r} must be non-empty strings")
+        boolean("ignore_eos", self.ignore_eos, **err)
+        integer("seed", self.seed, ge=0, **err)
+        integer("max_prompt_len", self.max_prompt_len, none_ok=True, hint="None: the model context", **err)
+        choice("on_long_prompt", self.on_long_prompt, ON_LONG_PROMPT, **err)
+        choice("dtype", self.dtype, DTYPES, **err)
+        integer("hf_batch_size", self.hf_batch_size, none_ok=True, hint="None: all prompts in one batch", **err)
+        number("gpu_memory_utilization", self.gpu_memory_utilization, gt=0, le=1, hint="e.g. 0.5", **err)
+        number("kv_cache_gb", self.kv_cache_gb, gt=0, hint="e.g. kv_cache_gb=1", **err)
+        integer("max_model_len", self.max_model_len, none_ok=True, hint="None: prompt + new tokens", **err)
+        boolean("enforce_eager", self.enforce_eager, **err)
+        if not isinstance(self.engine_kwargs, dict) or not all(isinstance(k, str) for k in self.engine_kwargs):
+            raise RolloutError(f"engine_kwargs={self.engine_kwargs!r} must be a dict of vllm.LLM keyword "
+                               f"arguments, e.g. {{'enable_prefix_caching': True}}")
 
     def with_overrides(self, **overrides: Any) -> Rollout:
         """A copy with per-call sampling overrides (only ``SAMPLING_FIELDS``), checked again."""

@@ -1,0 +1,318 @@
+"""Every config field, given a bad value, fails on construction with the value and the fix, in the
+driver, before any worker starts: TrainerConfig, the Trainer's own arguments, Rollout, RewardModel and
+the flags of `rlkit train` and `rlkit plan`.
+
+Each table below must hold every field (walked with dataclasses.fields / inspect.signature / the CLI's
+own flag lists), so a field added later without a check fails here until it gets one.
+"""
+
+import dataclasses
+import inspect
+import math
+from pathlib import Path
+
+import pytest
+
+import rlkit
+from rlkit.cli import TRAIN_KEYS, main
+from rlkit.cluster import Cluster
+from rlkit.hub import ModelRefError, resolve_model
+from rlkit.models import tiny_lm
+from rlkit.plan.cli import build_parser
+from rlkit.plan.cli import main as plan_main
+from rlkit.rewards import RewardModel, RewardModelError, tiny_reward_model
+from rlkit.rollout import Rollout, RolloutError
+from rlkit.trainer import Trainer, TrainerConfig, TrainerError
+
+NAN = math.nan
+A_FILE = "<a file>"  # replaced by the path of an existing file (a run_dir that cannot be a folder)
+
+# field -> [(bad value, what the message must say)]
+TRAINER_CONFIG_BAD = {
+    "prompts_per_step": [(0, "prompts_per_step=0 must be a positive integer"), (2.5, "prompts_per_step=2.5")],
+    "lr": [(-1, "lr=-1 must be a finite number > 0"), (NAN, "lr=nan must be a finite number"),
+           ("1e-3", "lr='1e-3' must be a finite number")],
+    "lr_warmup_steps": [(-1, "lr_warmup_steps=-1 must be an integer >= 0")],
+    "lr_schedule": [("cosin", "lr_schedule='cosin': choose one of ['constant', 'cosine'] (did you mean 'cosine'?)")],
+    "epochs": [(0, "epochs=0 must be a positive integer")],
+    "minibatches": [(True, "minibatches=True must be a positive integer")],
+    "clip_low": [(1.0, "clip_low=1.0 must be a finite number >= 0 and < 1"), (-0.1, "clip_low=-0.1")],
+    "clip_high": [(0.1, "clip_high=0.1 < clip_low=0.2"), (NAN, "clip_high=nan")],
+    "dual_clip": [(1.0, "dual_clip=1.0 must be a finite number > 1 or None")],
+    "loss_agg": [("token_mean", "loss_agg='token_mean': choose one of ['token-mean', "),
+                 ("token_mean", "did you mean 'token-mean'?")],
+    "kl_coef": [(-0.1, "kl_coef=-0.1 must be a finite number >= 0"), (math.inf, "kl_coef=inf")],
+    "kl_kind": [("k7", "kl_kind='k7': choose one of ['k1', 'kl', 'abs', 'k2', 'mse', 'k3', 'low_var_kl']")],
+    "kl_in_reward": [("yes", "kl_in_reward='yes' must be True or False")],
+    "kl_target": [(0.1, "kl_target=0.1 adapts the KL penalty in the reward, so it needs kl_in_reward=True and "
+                        "kl_coef > 0"), (-1.0, "kl_target=-1.0 must be a finite number > 0")],
+    "entropy_coef": [(-1e-3, "entropy_coef=-0.001 must be a finite number >= 0")],
+    "max_grad_norm": [(0, "max_grad_norm=0 must be a finite number > 0 or None")],
+    "gamma": [(1.5, "gamma=1.5 must be a finite number >= 0 and <= 1")],
+    "lam": [(-0.1, "lam=-0.1 must be a finite number >= 0 and <= 1")],
+    "critic_lr": [(0, "critic_lr=0 must be a finite number > 0")],
+    "value_clip": [(0.0, "value_clip=0.0 must be a finite number > 0 or None")],
+    "train_size": [(0, "train_size=0 must be a positive integer")],
+    "seed": [(-1, "seed=-1 must be an integer >= 0"), (1.5, "seed=1.5")],
+    "run_dir": [(A_FILE, "is a file; metrics go in a folder"), (3, "run_dir=3 must be a folder path")],
+    "timeout_s": [(0, "timeout_s=0 must be a finite number > 0")],
+    "keep_samples": [(-1, "keep_samples=-1 must be an integer >= 0")],
+}
+
+ROLLOUT_BAD = {
+    "engine": [("sglang", "engine='sglang': choose one of ['auto', 'vllm', 'hf']")],
+    "n": [(0, "n=0 must be a positive integer")],
+    "temperature": [(-1, "temperature=-1 must be a finite number >= 0"), (NAN, "temperature=nan")],
+    "top_p": [(0, "top_p=0 must be a finite number > 0 and <= 1")],
+    "top_k": [(-2, "top_k=-2 must be an integer >= -1"), (2.0, "top_k=2.0")],
+    "max_new_tokens": [(0, "max_new_tokens=0 must be a positive integer")],
+    "stop": [([""], "stop=[''] must be non-empty strings")],
+    "stop_token_ids": [(["<|im_end|>"], "stop_token_ids=['<|im_end|>'] must be token ids")],
+    "ignore_eos": [(1, "ignore_eos=1 must be True or False")],
+    "seed": [(-1, "seed=-1 must be an integer >= 0")],
+    "max_prompt_len": [(0, "max_prompt_len=0 must be a positive integer or None")],
+    "on_long_prompt": [("truncate", "on_long_prompt='truncate': choose one of ['error', 'skip']")],
+    "dtype": [("fp16", "dtype='fp16': choose one of ['auto', 'float32', 'bfloat16', 'float16']")],
+    "hf_batch_size": [(0, "hf_batch_size=0 must be a positive integer or None")],
+    "gpu_memory_utilization": [(1.5, "gpu_memory_utilization=1.5 must be a finite number > 0 and <= 1")],
+    "kv_cache_gb": [(0, "kv_cache_gb=0 must be a finite number > 0")],
+    "max_model_len": [(-5, "max_model_len=-5 must be a positive integer or None")],
+    "enforce_eager": [("no", "enforce_eager='no' must be True or False")],
+    "engine_kwargs": [("tensor_parallel_size=2", "engine_kwargs='tensor_parallel_size=2' must be a dict")],
+}
+
+# RewardModel(path_or_model, tokenizer, *, batch_size, max_length, device, template, normalize)
+REWARD_MODEL_BAD = {
+    "path_or_model": [("/nonexistent/rm", "reward model path '/nonexistent/rm' does not exist"),
+                      (42, "RewardModel(int) needs a checkpoint folder")],
+    "tokenizer": [("gpt2", "tokenizer='gpt2' is not a tokenizer")],
+    "batch_size": [(0, "batch_size=0 must be a positive integer")],
+    "max_length": [(-1, "max_length=-1 must be a positive integer")],
+    "device": [("gpu0", "device='gpu0' is not a torch device")],
+    "template": [("{prompt}", "has no '{completion}' field"), ("{completion}{score}", "cannot be filled")],
+    "normalize": [((0.0, 0.0), "normalize=(0.0, 0.0) must be (mean, std), finite, with std > 0"),
+                  ((NAN, 1.0), "normalize=(nan, 1.0)")],
+}
+
+
+def _cases(table):
+    return [pytest.param(field, value, expect, id=f"{field}={value!r}")
+            for field, bad in table.items() for value, expect in bad]
+
+
+def _value(value, tmp_path):
+    if value == A_FILE:
+        path = tmp_path / "not-a-folder"
+        path.write_text("x")
+        return str(path)
+    return value
+
+
+@pytest.fixture
+def no_workers_start():
+    """Asserts the code under test started no Ray cluster and no worker group."""
+    before = Cluster.current()
+    groups = len(before._groups) if before is not None else 0
+    yield
+    after = Cluster.current()
+    assert after is before, "a cluster was started for a config that could never run"
+    assert (len(after._groups) if after is not None else 0) == groups, "a worker group was started"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_lm("qwen2", size="test")
+
+
+# ---- every table covers every field ------------------------------------------------------------------
+@pytest.mark.parametrize("table, fields", [
+    (TRAINER_CONFIG_BAD, [f.name for f in dataclasses.fields(TrainerConfig)]),
+    (ROLLOUT_BAD, [f.name for f in dataclasses.fields(Rollout)]),
+    (REWARD_MODEL_BAD, [p for p in inspect.signature(RewardModel.__init__).parameters if p != "self"]),
+], ids=["TrainerConfig", "Rollout", "RewardModel"])
+def test_every_field_has_a_bad_value_checked(table, fields):
+    assert sorted(table) == sorted(fields), sorted(set(fields) ^ set(table))
+
+
+# ---- TrainerConfig -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("field, value, expect", _cases(TRAINER_CONFIG_BAD))
+def test_trainer_config_field(field, value, expect, tmp_path):
+    with pytest.raises(TrainerError) as e:
+        TrainerConfig(**{field: _value(value, tmp_path)})
+    assert expect in str(e.value)
+
+
+@pytest.mark.parametrize("field, value, expect", _cases(TRAINER_CONFIG_BAD))
+def test_trainer_keyword_fails_before_any_worker(field, value, expect, tmp_path, model, no_workers_start):
+    with pytest.raises(TrainerError) as e:
+        Trainer(model=model, dataset=rlkit.tasks.repeat, **{field: _value(value, tmp_path)})
+    assert expect in str(e.value)
+
+
+def test_good_values_pass():
+    TrainerConfig(clip_high=0.28, dual_clip=3.0, loss_agg="seq-mean-token-sum", kl_coef=0.05, kl_kind="k3",
+                  kl_in_reward=True, kl_target=0.1, max_grad_norm=None, value_clip=None, lr_warmup_steps=0)
+
+
+def test_unknown_trainer_keyword_is_named_with_the_near_miss(model, no_workers_start):
+    with pytest.raises(TrainerError, match=r"unknown keyword kl_coeff=0.1; did you mean kl_coef\?"):
+        Trainer(model=model, dataset=rlkit.tasks.repeat, kl_coeff=0.1)
+
+
+# ---- the Trainer's own arguments -----------------------------------------------------------------------
+def _trainer_arg_cases(tmp_path, model):
+    no_config = tmp_path / "no-config"
+    no_config.mkdir()
+    (no_config / "model.safetensors").write_text("")
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((Path(model) / "config.json").read_text())
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):  # transformers would build an empty tokenizer here
+        (no_tokenizer / name).write_bytes((Path(model) / name).read_bytes())
+    return {
+        "model": [("/nonexistent/model", "model path '/nonexistent/model' does not exist"),
+                  (str(no_config), "has no config.json (it holds ['model.safetensors'])"),
+                  (str(no_weights), f"model folder {str(no_weights)!r} has no weights"),
+                  (str(no_tokenizer), f"model folder {str(no_tokenizer)!r} has no tokenizer"),
+                  (None, "model=None is not a model reference")],
+        "dataset": [([], "the dataset is empty")],
+        "reward": [([("not a function", 1.0)], "reward 'not a function' is not callable")],
+        "algorithm": [("dpo", "algorithm='dpo' is not known"), (None, "algorithm=None is not known")],
+        "plan": [("dp=2", "plan='dp=2' must be an rlkit.ParallelPlan(...)")],
+        "rollout": [({"n": 4}, "rollout={'n': 4} must be an rlkit.Rollout(...)")],
+        "cluster": [("localhost:6379", "cluster='localhost:6379' must be an rlkit.Cluster(...)")],
+        "config": [({"lr": 1.0}, "config={'lr': 1.0} must be a TrainerConfig(...)")],
+        "callbacks": [([print, 42], "callbacks holds 42, which is not callable")],
+        "placement": [("remote", "placement='remote': choose 'colocated' (HybridEngine) or 'split'")],
+        "rollout_workers": [(0, "rollout_workers=0 must be a positive integer")],
+    }
+
+
+def test_trainer_arguments_fail_before_any_worker(tmp_path, model, no_workers_start):
+    cases = _trainer_arg_cases(tmp_path, model)
+    args = [p for p in inspect.signature(Trainer.__init__).parameters if p not in ("self", "overrides")]
+    assert sorted(cases) == sorted(args), sorted(set(args) ^ set(cases))
+    for field, bad in cases.items():
+        for value, expect in bad:
+            kw = {"model": model, "dataset": rlkit.tasks.repeat, field: value}
+            if field == "dataset":
+                kw["reward"] = lambda prompts, completions, **columns: [0.0] * len(prompts)
+            with pytest.raises(rlkit.RlkitError) as e:
+                Trainer(**kw)
+            assert expect in str(e.value), (field, value, str(e.value))
+
+
+def test_hub_id_offline_fails_at_once_naming_the_fix(monkeypatch, model, no_workers_start):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelRefError, match=r"model='someorg/no-such-model' is not a local folder and not in the "
+                                            r"HF cache, and HF_HUB_OFFLINE is set; download it"):
+        Trainer(model="someorg/no-such-model", dataset=rlkit.tasks.repeat)
+    # a local folder resolves the same online or off
+    assert resolve_model(model) == model
+
+
+def test_recommend_unknown_model_answers_at_once_offline(monkeypatch):
+    """No network here: `recommend("gpt-17")` used to spend ~23 s in hub retries. Now the reference is
+    resolved first; the error names the bundled models and the local-folder option."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(rlkit.PlanError) as e:
+        rlkit.plan.recommend("gpt-17", gpus=8)
+    msg = str(e.value)
+    assert "model='gpt-17' is not a local folder" in msg and "qwen2.5-7b" in msg and "folder" in msg
+
+
+# ---- Rollout ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field, value, expect", _cases(ROLLOUT_BAD))
+def test_rollout_field(field, value, expect):
+    with pytest.raises(RolloutError) as e:
+        Rollout(**{field: value})
+    assert expect in str(e.value)
+
+
+# ---- RewardModel -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("field, value, expect", _cases(REWARD_MODEL_BAD))
+def test_reward_model_field(field, value, expect):
+    kw = {"path_or_model": tiny_reward_model(), field: value}
+    with pytest.raises((RewardModelError, ModelRefError)) as e:  # a bad path is a model reference error
+        RewardModel(**kw)
+    assert expect in str(e.value)
+
+
+# ---- `rlkit train` flags ---------------------------------------------------------------------------------
+TRAIN_FLAG_BAD = {
+    "model": [("/nonexistent/model", "model path '/nonexistent/model' does not exist"),
+              ("tiny-gpt", "the tiny models are ['tiny-llama', 'tiny-qwen2']")],
+    "task": [("chess", "task='chess': choose one of ['arithmetic', 'repeat']")],
+    "algorithm": [("dpo", "algorithm='dpo': choose one of")],
+    "dp": [("0", "dp=0 must be a positive integer")],
+    "tp": [("0", "tp=0 must be a positive integer")],
+    "pp": [("0", "pp=0 must be a positive integer")],
+    "micro_batches": [("0", "micro_batches=0 must be a positive integer")],
+    "steps": [("0", "steps=0 must be a positive integer")],
+    "n": [("0", "n=0 must be a positive integer")],
+    "max_new_tokens": [("0", "max_new_tokens=0 must be a positive integer")],
+    "temperature": [("-1", "temperature=-1.0 must be a finite number >= 0")],
+    "engine": [("sglang", "engine='sglang': choose one of")],
+    "lr": [("-1", "lr=-1.0 must be a finite number > 0"), ("nan", "lr=nan")],
+    "prompts_per_step": [("0", "prompts_per_step=0 must be a positive integer")],
+    "kl_coef": [("-0.1", "kl_coef=-0.1 must be a finite number >= 0")],
+    "epochs": [("0", "epochs=0 must be a positive integer")],
+    "minibatches": [("0", "minibatches=0 must be a positive integer")],
+    "seed": [("-1", "seed=-1 must be an integer >= 0")],
+    "run_dir": [(A_FILE, "is a file; metrics go in a folder")],
+    "address": [("nonsense", "address='nonsense' is not 'host:port', 'ray://host:port' or 'auto'")],
+    "sft_steps": [("-1", "sft_steps=-1 must be an integer >= 0")],
+}
+
+
+def test_train_flags_table_covers_every_flag():
+    assert sorted(TRAIN_FLAG_BAD) == sorted(TRAIN_KEYS)
+
+
+@pytest.mark.parametrize("field, value, expect", _cases(TRAIN_FLAG_BAD))
+def test_train_flag(field, value, expect, tmp_path, capsys, no_workers_start):
+    assert main(["train", "--" + field.replace("_", "-"), _value(value, tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("rlkit train: error: ") and "\n" not in err and "Traceback" not in err, err
+    assert expect in err
+
+
+# ---- `rlkit plan` flags ----------------------------------------------------------------------------------
+PLAN_FLAG_BAD = {
+    "model": [("/nonexistent/model", "model path '/nonexistent/model' does not exist")],
+    "dp": [("0", "dp=0 must be a positive integer")],
+    "tp": [("3", "tp=3 does not divide num_attention_heads=14")],
+    "pp": [("0", "pp=0 must be a positive integer")],
+    "vpp": [("0", "vpp=0 must be a positive integer")],
+    "micro_batches": [("0", "micro_batches=0 must be a positive integer")],
+    "schedule": [("zero-bubble", "argument --schedule: invalid choice: 'zero-bubble'")],
+    "order": [("tp-xx-pp", "order='tp-xx-pp' must name each of dp, tp, pp once")],
+    "dp_shard": [("zero4", "argument --dp-shard: invalid choice: 'zero4'")],
+    "dp_shard_size": [("0", "dp_shard_size=0")],
+    "devices_per_node": [("0", "devices_per_node=0 must be a positive integer")],
+    "seq_len": [("0", "seq_len=0 must be a positive integer")],
+    "micro_batch": [("0", "micro_batch=0 must be a positive integer")],
+    "gpu_memory": [("lots", "cannot read a memory size from 'lots'; use bytes or a string like '80GB'")],
+    "max_rows": [("0", "max_rows=0 must be a positive integer")],
+}
+
+
+def test_plan_flags_table_covers_every_flag():
+    flags = [a.dest for a in build_parser()._actions if a.dest != "help"]
+    assert sorted(PLAN_FLAG_BAD) == sorted(flags)
+
+
+@pytest.mark.parametrize("field, value, expect", _cases(PLAN_FLAG_BAD))
+def test_plan_flag(field, value, expect, capsys):
+    argv = ["--model", "qwen2.5-0.5b", "--" + field.replace("_", "-"), value]
+    if field == "dp_shard_size":
+        argv += ["--dp", "2", "--dp-shard", "hybrid_shard"]
+    try:
+        code = plan_main(argv)
+    except SystemExit as e:  # argparse's own usage errors (types, choices) exit 2 with the flag named
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and expect in err, err
