@@ -71,7 +71,6 @@ def test_exit_code_of_the_real_command(tmp_path):
     assert proc.stderr.strip().count("\n") == 0 and "'stepz'" in proc.stderr
 
 
-@pytest.mark.slow
 def test_real_short_run(tmp_path):
     """3 GRPO steps of the default tiny model on the repeat task (~25 s: Ray start + model load)."""
     run_dir = tmp_path / "run"
