@@ -24,7 +24,10 @@ TOL = {"max_dlogprob": 2e-6, "max_dentropy": 1e-5, "max_dgrad": 1e-6, "max_dweig
 @pytest.fixture(scope="module")
 def tiny_paths():
     # Built once here, so the ranks only read the cached folders.
-    return {"qwen2": tiny_lm("qwen2", size="test"), "llama": tiny_lm("llama", size="test")}
+    return {"qwen2": tiny_lm("qwen2", size="test"), "llama": tiny_lm("llama", size="test"),
+            # tied input/output embeddings (SmolLM2, Qwen2.5-0.5B, Llama-3.2 tie theirs)
+            "qwen2-tied": tiny_lm("qwen2", size="test", tie_word_embeddings=True),
+            "llama-tied": tiny_lm("llama", size="test", tie_word_embeddings=True)}
 
 
 def run_plan(tmp_path, tiny_paths, nprocs, *args, arch="qwen2", ckpt=False, timeout=240):
@@ -100,9 +103,13 @@ def test_failing_rank_is_named_everywhere_promptly(tmp_path, tiny_paths):
 
 # TP and PP training on their own, in the default suite: loss, grads and weights after 3 AdamW steps
 # against the single-process model (tolerances above), on the cheapest models
+# (tied: one vocab-sharded matrix under TP; under PP a copy on the first and last stage whose gradients
+# are summed, so the grads, the clipped norm and the weights after 3 steps equal the one-process model's)
 DEFAULT_PLANS = {
     "tp2": (2, ["--tp", "2"], "llama"),
     "pp2_1f1b": (2, ["--pp", "2", "--schedule", "1f1b", "--micro-batches", "2"], "qwen2"),
+    "tp2_tied": (2, ["--tp", "2"], "qwen2-tied"),
+    "pp2_tied_resume": (2, ["--pp", "2", "--micro-batches", "2"], "llama-tied"),
 }
 
 
@@ -110,8 +117,9 @@ DEFAULT_PLANS = {
 @pytest.mark.parametrize("name", list(DEFAULT_PLANS))
 def test_tp_and_pp_training_match_single_process(tmp_path, tiny_paths, name):
     nprocs, args, arch = DEFAULT_PLANS[name]
-    rep = run_plan(tmp_path, tiny_paths, nprocs, *args, arch=arch)
+    rep = run_plan(tmp_path, tiny_paths, nprocs, *args, arch=arch, ckpt=name.endswith("_resume"))
     assert rep["world_size"] == 2 and name.split("_")[0][:2] in rep["plan"]
+    assert rep["tied"] is arch.endswith("-tied")
 
 
 # ---- the other layouts (slow: run with -m slow) ----------------------------------------------------
@@ -126,6 +134,9 @@ SLOW_PLANS = {
     "pp2_vpp2_interleaved": (2, ["--pp", "2", "--vpp", "2", "--micro-batches", "2"], "qwen2"),
     "dp2_tp2": (4, ["--dp", "2", "--tp", "2", "--micro-batches", "2"], "llama"),
     "dp2_pp2_value_head": (4, ["--dp", "2", "--pp", "2", "--micro-batches", "2", "--head", "value"], "qwen2"),
+    "dp2_tp2_pp2_tied": (8, ["--dp", "2", "--tp", "2", "--pp", "2", "--micro-batches", "2"], "llama-tied"),
+    "pp2_vpp2_tied": (2, ["--pp", "2", "--vpp", "2", "--micro-batches", "2"], "qwen2-tied"),
+    "pp3_tied": (3, ["--pp", "3", "--micro-batches", "3"], "qwen2-tied"),
 }
 
 

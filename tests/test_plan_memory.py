@@ -91,14 +91,16 @@ def test_tp_splits_matmuls_and_replicates_norms():
     assert whole.weights[0] == 4 * (L * (matmuls // 8 + 2 * h) + 2 * V * h + h)
 
 
-def test_tp_unties_tied_embeddings_like_parallelize_module():
-    # parallelize_module gives the Rowwise embedding and the Colwise lm_head each a new Parameter,
-    # so with tp > 1 a tied model holds a vocab shard of each (measured with torch 2.13)
+def test_tp_keeps_tied_embeddings_one_vocab_sharded_matrix():
+    # apply_tp re-ties the Rowwise embedding and the Colwise lm_head to one Shard(0) DTensor, so with
+    # tp > 1 a tied model holds one vocab shard: every matrix halves, the norms stay whole
     V, h = 151936, 896
     tp1 = estimate_memory(ParallelPlan(), "qwen2.5-0.5b", precision="fp32").weights[0]
     tp2 = estimate_memory(ParallelPlan(tp=2), "qwen2.5-0.5b", precision="fp32").weights[0]
     replicated = 24 * 2 * h + h  # RMSNorm weights stay whole on both TP ranks
-    assert 2 * tp2 == tp1 + 4 * V * h + 4 * replicated
+    assert 2 * tp2 == tp1 + 4 * replicated
+    assert tp1 == 4 * 494032768  # the tied matrix counted once (V*h = 136,134,656 of the 494M)
+    assert V * h == 136134656
 
 
 def test_fsdp_padding_and_uneven_shards_hand_computed():
@@ -122,22 +124,22 @@ def test_fsdp2_tp_padding_hand_computed():
     # TP-local rows, then FSDP2 pads each to ceil(rows/2) on both shards:
     #   q 24->12 x48, k/v 12->6 x48, o 48->24 x24, gate/up 50->25 x48, down 48->24 x50, 2 norms 24,
     #   biases 12+6+6: 576+288+288+576+1200+1200+1200+48+24 = 5400 per layer.
-    #   root: tp>1 unties the embedding (two tensors); vocab 251 -> 126 / 125 rows per TP rank,
-    #   ceil(./2) = 63 rows x 48 each = 3024 per tensor, + final norm 24: 6072.
-    per_rank = 3 * 5400 + 6072
-    assert 4 * per_rank == 89088
+    #   root: the tied embedding is one tensor (apply_tp re-ties it); vocab 251 -> 126 / 125 rows per
+    #   TP rank, ceil(./2) = 63 rows x 48 = 3024, + final norm 24: 3048.
+    per_rank = 3 * 5400 + 3048
+    assert 4 * per_rank == 76992
     # Adam states are zeros_like the unpadded shard: TP rank 1, shard 1 holds 125 - 63 = 62 rows of
-    # each vocab tensor, 2 x 48 fewer elements. Ranks are tp-fastest: rank 3 = (dp 1, tp 1).
+    # the vocab tensor, 48 fewer elements. Ranks are tp-fastest: rank 3 = (dp 1, tp 1).
     df = estimate_memory(ParallelPlan(dp=2, tp=2), TINY_QWEN_TIED, precision="fp32")
     assert df.weights.tolist() == df.grads.tolist() == [4 * per_rank] * 4
-    assert df.optimizer.tolist() == [8 * per_rank] * 3 + [8 * (per_rank - 96)]
+    assert df.optimizer.tolist() == [8 * per_rank] * 3 + [8 * (per_rank - 48)]
 
 
 def test_matches_bytes_recorded_from_the_torch_check():
     # per-rank (weights, grads, optimizer) as recorded from a run of the slow torch check below
     # (test_torch_fsdp2_tp_pp_bytes_match_estimate, torch 2.13 on gloo), which measures them for real
     cases = {
-        (("dp", 2), ("tp", 2)): (TINY_QWEN_TIED, [(89088, 89088, 178176)] * 3 + [(89088, 89088, 177408)]),
+        (("dp", 2), ("tp", 2)): (TINY_QWEN_TIED, [(76992, 76992, 153984)] * 3 + [(76992, 76992, 153600)]),
         (("dp", 2), ("pp", 2)): (TINY_QWEN_TIED, [(110208, 110208, 220416), (110208, 110208, 220032),
                                                   (67296, 67296, 134592), (67296, 67296, 134208)]),
     }
@@ -434,6 +436,8 @@ def _torch_worker(case: dict, out_dir: str) -> None:  # pragma: no cover - runs 
         if last:
             styles["head"] = ColwiseParallel(output_layouts=Replicate())
         parallelize_module(stage, mesh["tp"], styles)
+        if first and last and hf.config.tie_word_embeddings:  # the layout rlkit builds: one tied shard
+            stage.head.weight = stage.embed.weight
     dp_mesh = mesh["rep", "shard"] if plan.dp_shard in ("hybrid_shard", "replicate") else mesh["shard"]
     for layer in stage.layers:
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=plan.dp_shard != "shard_grad_op")

@@ -52,7 +52,16 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, config=None) -> nn.Module:
     >>> apply_tp(stage, mesh["tp"], hf_model.config)  # doctest: +SKIP
     """
     if tp_mesh.size() > 1:
+        tied = (getattr(module, "lm_head", None) is not None and getattr(module.model, "embed_tokens", None)
+                is not None and module.lm_head.weight is module.model.embed_tokens.weight)
         parallelize_module(module, tp_mesh, tp_plan(module, config))
+        if tied:
+            # parallelize_module gives each module a new DTensor Parameter, which unties them. Both are
+            # vocab-sharded (Shard(0)) the same way, so the lm_head can use the embedding's shard: one
+            # weight, and autograd sums both uses into its gradient, as one process does.
+            emb = module.model.embed_tokens.weight
+            assert emb.placements == module.lm_head.weight.placements, (emb.placements, module.lm_head.weight)
+            module.lm_head.weight = emb
     return module
 
 

@@ -134,8 +134,11 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     loss = pm.forward_backward(mine, loss_fn)
     ref_loss = ref_step(batches[0], do_step=False)
     gdiff = 0.0
+    tied = pm.tied
     for name, p in pm.named_parameters():
         g = full(p.grad)
+        if tied and name == "lm_head.weight":  # pp > 1: the last stage's copy of the tied embedding
+            name = "model.embed_tokens.weight"
         gdiff = max(gdiff, (g - ref_named[name].grad).abs().max().item())
     gdiff = _max(torch.tensor(gdiff))
     gnorm = pm.grad_norm()
@@ -175,8 +178,11 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
         if head == "value":
             report["strict_load"] = sorted(sd) == sorted(ref_sd)
         else:
-            fresh.load_state_dict(sd, strict=True)
+            # a tied model's state dict also names lm_head.weight: the same tensor as the embedding
+            full_sd = {**sd, "lm_head.weight": sd["model.embed_tokens.weight"]} if tied else sd
+            fresh.load_state_dict(full_sd, strict=True)
             report["strict_load"] = True
+            report["tied"] = tied
             b = batches[0]
             with torch.no_grad():
                 a = reference_forward(fresh, None, b)["logprobs"]

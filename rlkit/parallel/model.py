@@ -87,9 +87,9 @@ class ParallelModel:
         hf = load_hf(model)
         plan.validate(model=hf.config)
         self.plan, self.config, self.head = plan, hf.config, head
-        if getattr(hf.config, "tie_word_embeddings", False) and (plan.pp > 1 or plan.tp > 1):
-            raise PlanError(f"{plan.describe()}: tied input/output embeddings are supported with dp only; "
-                            f"use tp=1 and pp=1, or a checkpoint with tie_word_embeddings=False")
+        # Tied input/output embeddings: one matrix when pp == 1 (apply_tp keeps TP's shards tied); with
+        # pp > 1 the first and last stages each hold a copy and sum their gradients every step (Megatron).
+        self.tied = bool(getattr(hf.config, "tie_word_embeddings", False)) and head == "lm"
         self.device = torch.device(device_type())
         self.mesh = mesh if mesh is not None else build_mesh(plan)
         self.rank = dist.get_rank()
@@ -119,6 +119,7 @@ class ParallelModel:
                 apply_fsdp(st, fsdp_mesh(self.mesh), plan.dp_shard, mp_policy)
         self.has_first = 0 in self.stage_ids
         self.has_last = plan.n_stages - 1 in self.stage_ids
+        self._tied_group = _first_last_stage_group(plan, self.rank) if self.tied and plan.pp > 1 else None
         self.params = [p for st in self.stages for p in st.parameters()]
         # foreach=False: params mix DTensors on different meshes (tp, dp x tp) and plain tensors.
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=betas,
@@ -238,6 +239,10 @@ class ParallelModel:
             # table; hand the optimizer a grad laid out like its param (a local slice, no comm).
             if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        if self._tied_group is not None:  # the tied copies get the sum of both stages' gradients
+            for p in self._tied_copies():
+                if p.grad is not None:
+                    dist.all_reduce(local(p.grad), group=self._tied_group)
         self.last_grad_bytes = _bytes([p.grad for p in self.params if p.grad is not None])
         return total.item()
 
@@ -273,8 +278,10 @@ class ParallelModel:
     def grad_norm(self) -> float:
         """L2 norm of all gradients of the model (DTensor shards reduced over dp/tp, summed over pp)."""
         sq = torch.zeros((), device=self.device, dtype=torch.float64)
+        # a tied matrix counts once: its last-stage copy holds the same (summed) gradient as the first's
+        skip = {id(st.lm_head.weight) for st in self.stages if self._tied_group is not None and hasattr(st, "lm_head")}
         for p in self.params:
-            if p.grad is not None:
+            if p.grad is not None and id(p) not in skip:
                 sq += full(p.grad.norm(2)).double() ** 2
         if self.plan.pp > 1:
             dist.all_reduce(sq, group=self.pp_group)
@@ -294,6 +301,11 @@ class ParallelModel:
             self._schedules[key] = cls(stages if self.plan.vpp > 1 else stages[0], n_microbatches=m,
                                        loss_fn=self._pp_loss)
         return self._schedules[key]
+
+    def _tied_copies(self) -> list[nn.Parameter]:
+        """This rank's copy of a tied embedding under pp > 1: the first stage's table, the last's lm_head."""
+        out = [st.model.embed_tokens.weight for st in self.stages if st.first]
+        return out + [st.lm_head.weight for st in self.stages if st.last and hasattr(st, "lm_head")]
 
     # ---- named view over this rank's parameters ----------------------------------------------------
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -355,7 +367,9 @@ class ParallelModel:
 
     def _param_meta(self) -> list[tuple[str, tuple, torch.dtype, int]]:
         if not hasattr(self, "_meta"):
-            mine = [(n, tuple(p.shape), p.dtype, self.pp_rank) for n, p in self.named_parameters()]
+            # HF's own names, each tensor once: a tied lm_head (its last-stage copy) is the embedding
+            mine = [(n, tuple(p.shape), p.dtype, self.pp_rank) for n, p in self.named_parameters()
+                    if not (self.tied and n == "lm_head.weight")]
             everyone: list[Any] = [None] * self.plan.pp
             if self.plan.pp > 1:
                 dist.all_gather_object(everyone, mine, group=self.pp_group)
@@ -488,6 +502,20 @@ class ParallelModel:
         if self.plan.pipeline_schedule == "interleaved-1f1b":  # chunks of layers/v (Megatron warm-up)
             return min(2 * (pp - r - 1) + (v - 1) * pp + 1, m * v) / v
         return min(m, pp - r)
+
+
+def _first_last_stage_group(plan: ParallelPlan, rank: int):
+    """The process group of ``rank``'s pipeline ends (first and last pipeline rank of its pipeline),
+    for the gradient sum of a tied embedding. Every rank creates every such group (new_group is
+    collective), one per (dp, tp) coordinate, in the same order."""
+    mine = None
+    pipelines = sorted({tuple(sorted(plan.group_of(r, "pp"), key=lambda q: plan.coords(q)["pp"]))
+                        for r in range(plan.world_size)})
+    for ranks in pipelines:
+        group = dist.new_group([ranks[0], ranks[-1]])
+        if rank in (ranks[0], ranks[-1]):
+            mine = group
+    return mine
 
 
 def _split(batch: dict[str, Any], m: int):

@@ -185,10 +185,9 @@ def _root_tensors(spec: ModelSpec, pp: int, tp: int, pp_rank: int, role: str,
         out.append(("norm", h, 1, None))
         if role == "critic":
             out += [("value_head", 1, h, None), ("value_head.bias", 1, 1, None)]
-        elif not spec.tie_word_embeddings or pp > 1 or (tp > 1 and vocab_parallel):
-            # untied lm_head; the last stage's own copy of a tied embedding (spec.stage_params); or
-            # a tie broken by TP: parallelize_module gives the Rowwise embedding and the Colwise
-            # lm_head each a new DTensor Parameter, so with tp > 1 a tied model holds both
+        elif not spec.tie_word_embeddings or pp > 1:
+            # untied lm_head, or the last stage's own copy of a tied embedding (spec.stage_params);
+            # with pp == 1 a tied model holds one matrix, also under TP (apply_tp re-ties the shards)
             out.append(("lm_head", v, h, vdim))
     return out
 
@@ -270,13 +269,13 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     ``ColwiseParallel`` on q/k/v/gate/up (weight and bias Shard(0)), ``RowwiseParallel`` on o/down
     (weight Shard(1), bias replicated), norms replicated; with ``vocab_parallel`` the embedding
     (RowwiseParallel = vocab rows) and lm_head (ColwiseParallel) are split over the vocab, else
-    replicated (a tied embedding is then two tensors: ``parallelize_module`` gives the embedding and
-    the lm_head each a new Parameter). Uneven TP splits follow ``torch.chunk`` (pieces of ceil(n/tp)). DP with FSDP2
+    replicated. Uneven TP splits follow ``torch.chunk`` (pieces of ceil(n/tp)). DP with FSDP2
     ``fully_shard`` on each decoder layer and on the stage root, over ``plan.dp_shard_degree``
     ranks (HSDP: shard index = dp % dp_shard_size, as a (replicate, shard) mesh). PP: pipeline rank
     r holds virtual stages r, r+pp, ...; the first stage also the embedding, the last the final
-    norm and lm_head; tied embeddings are one tensor when pp == 1 and a copy on the last stage when
-    pp > 1 (``ModelSpec.stage_params``).
+    norm and lm_head; tied embeddings are one tensor when pp == 1 (TP shares one vocab-sharded
+    matrix) and a copy on the last stage when pp > 1, its gradient summed with the first stage's
+    (``ModelSpec.stage_params``).
 
     **Persistent state** (Rajbhandari et al. 2019, "ZeRO", Sec. 3.1: mixed-precision Adam holds
     2 + 2 + 12 = 16 bytes/param: fp16 params and grads, fp32 master, momentum, variance). Here, in
