@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from rlkit.errors import PlanError
 from rlkit.parallel.apply import apply_ac, apply_fsdp, apply_tp
 from rlkit.parallel.dist import build_mesh, device_type, fsdp_mesh
+from rlkit.parallel.loading import CheckpointReader, can_load_sharded, empty_model, materialize
 from rlkit.parallel.stage import split_stages
 from rlkit.plan.topology import ParallelPlan
 
@@ -65,7 +66,9 @@ class ParallelModel:
     """This rank's stages of ``model`` under ``plan``, with an AdamW optimizer.
 
     Args:
-        model: HF causal LM (module, local path or hub id). Every rank loads it, then keeps its slice.
+        model: HF causal LM (module, local path or hub id). A local checkpoint folder loads sharded:
+            each rank reads only its own shards (``rlkit.parallel.loading``); a module or hub id is
+            loaded whole on every rank, then sliced.
         plan: the layout; ``plan.world_size`` must equal the process group size.
         head: "lm" (per-token log-probs) or "value" (critic; a seeded scalar head replaces lm_head).
         lr, weight_decay, betas, eps, max_grad_norm: AdamW and gradient clipping (None: no clipping).
@@ -84,7 +87,10 @@ class ParallelModel:
                  max_grad_norm: float | None = 1.0, activation_checkpointing: bool = False,
                  layer_split: list[int] | None = None, seed: int = 0, logprob_chunk: int = 1024,
                  mesh=None, mp_policy=None):
-        hf = load_hf(model)
+        # A local checkpoint loads sharded: built on meta, each rank reads only the shards it keeps
+        # (loading.py). A module (or a hub id) is loaded whole, then sliced.
+        sharded = can_load_sharded(model)
+        hf = empty_model(model) if sharded else load_hf(model)
         plan.validate(model=hf.config)
         self.plan, self.config, self.head = plan, hf.config, head
         # Tied input/output embeddings: one matrix when pp == 1 (apply_tp keeps TP's shards tied); with
@@ -99,7 +105,7 @@ class ParallelModel:
         self.pp_group = self.mesh["pp"].get_group()
         self.dp_group = self.mesh["dp"].get_group()
 
-        value_head = None
+        value_head, value_init = None, {}
         if head == "value":
             # Same seed on every rank, so replicated copies start equal.
             g = torch.Generator().manual_seed(seed)
@@ -107,7 +113,11 @@ class ParallelModel:
             with torch.no_grad():
                 value_head.weight.normal_(0.0, getattr(hf.config, "initializer_range", 0.02), generator=g)
                 value_head.bias.zero_()
-        hf.to(self.device)
+            if sharded:  # built empty like the rest, filled from these full tensors below
+                value_init = {f"value_head.{k}": v.detach().clone() for k, v in value_head.named_parameters()}
+                value_head = value_head.to("meta")
+        if not sharded:
+            hf.to(self.device)
         self.stage_ids, self.stages = split_stages(hf, plan, self.pp_rank, head=head, value_head=value_head,
                                                    split=layer_split, logprob_chunk=logprob_chunk)
         del hf  # layers of other stages are freed with it
@@ -117,6 +127,8 @@ class ParallelModel:
                 apply_ac(st)
             if plan.dp > 1:
                 apply_fsdp(st, fsdp_mesh(self.mesh), plan.dp_shard, mp_policy)
+        if sharded:
+            materialize(self.stages, CheckpointReader(model), self.device, self.config, extra=value_init)
         self.has_first = 0 in self.stage_ids
         self.has_last = plan.n_stages - 1 in self.stage_ids
         self._tied_group = _first_last_stage_group(plan, self.rank) if self.tied and plan.pp > 1 else None

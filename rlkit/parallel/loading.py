@@ -1,0 +1,128 @@
+"""Sharded loading: each rank builds its stages on the meta device and reads only what it keeps.
+
+Loading an HF model whole on every rank and then keeping a slice costs a full copy per rank (140 GB of
+host memory per rank at 70B). Here the model is built from its config on the meta device (no storage),
+split into this rank's pipeline stages, TP- and FSDP-sharded while still empty, then materialized
+(``to_empty``) and filled one parameter at a time from the checkpoint files: a full tensor is read,
+this rank's shard is cut from it locally (``distribute_tensor(..., src_data_rank=None)``: no
+communication) and the full tensor is dropped. Peak memory: this rank's shards plus the largest single
+tensor, plus fixed overhead.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from rlkit.errors import PlanError
+
+
+class CheckpointReader:
+    """Tensors of a local HF checkpoint folder by name, one at a time (safetensors, sharded or not;
+    ``pytorch_model.bin`` as a fallback).
+
+    >>> from rlkit.models import tiny_lm
+    >>> reader = CheckpointReader(tiny_lm("qwen2"))
+    >>> reader.get("model.norm.weight").shape
+    torch.Size([48])
+    """
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        if index.exists():
+            self.files = {k: self.folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        elif any(self.folder.glob("*.safetensors")):
+            from safetensors import safe_open
+
+            self.files = {}
+            for path in sorted(self.folder.glob("*.safetensors")):
+                with safe_open(str(path), framework="pt") as f:
+                    self.files.update(dict.fromkeys(f.keys(), path))
+        elif (self.folder / "pytorch_model.bin").exists():
+            self._bin = torch.load(self.folder / "pytorch_model.bin", map_location="cpu", mmap=True, weights_only=True)
+            self.files = dict.fromkeys(self._bin, self.folder / "pytorch_model.bin")
+        else:
+            raise PlanError(f"no weights in {str(self.folder)!r} (model.safetensors, an index, or pytorch_model.bin)")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def get(self, name: str) -> torch.Tensor:
+        """The full tensor ``name`` (CPU). The file is opened per read, so its mapping (and the pages it
+        touched) go away with the returned tensor's neighbours."""
+        if name not in self.files:
+            raise PlanError(f"checkpoint {str(self.folder)!r} has no tensor {name!r} (it has e.g. "
+                            f"{sorted(self.files)[:3]}); is it a checkpoint of this architecture?")
+        if hasattr(self, "_bin"):
+            return self._bin[name]
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def can_load_sharded(model: Any) -> bool:
+    """True for a local checkpoint folder with weights (hub ids and modules load whole)."""
+    p = Path(str(model))
+    return not isinstance(model, nn.Module) and p.is_dir() and (
+        any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").exists()
+        or (p / "pytorch_model.bin").exists())
+
+
+def empty_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The HF causal LM of ``path``'s config on the meta device: every parameter shaped, none stored.
+
+    transformers does not tie embeddings of a model built on meta, so a tied config is tied here.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path))
+    config.use_cache = False
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
+    if getattr(config, "tie_word_embeddings", False):
+        hf.lm_head.weight = hf.model.embed_tokens.weight
+    return hf
+
+
+def materialize(stages: list[nn.Module], reader: CheckpointReader, device: torch.device, config: Any,
+                extra: dict[str, torch.Tensor] | None = None) -> int:
+    """Give meta ``stages`` storage on ``device`` and fill every parameter from ``reader`` (or ``extra``:
+    full tensors by name, e.g. a freshly initialized value head). Returns the elements this rank holds.
+
+    A tied lm_head absent from the checkpoint reads the embedding. Rotary inverse frequencies (a buffer
+    computed at construction, not stored) are rebuilt from the config.
+    """
+    extra = extra or {}
+    held = 0
+    for st in stages:
+        rotary = st.model.rotary_emb
+        st.to_empty(device=device)
+        with torch.device(device):
+            st.model.rotary_emb = type(rotary)(config=config)
+        for name, p in st.named_parameters():
+            source = name
+            if name not in extra and name not in reader and name == "lm_head.weight":
+                source = "model.embed_tokens.weight"  # tied: the checkpoint stores the matrix once
+            with torch.no_grad():
+                full = (extra[name] if name in extra else reader.get(source)).to(device=device, dtype=p.dtype)
+                if tuple(full.shape) != tuple(p.shape):
+                    raise PlanError(f"checkpoint tensor {source!r} has shape {tuple(full.shape)} but the model "
+                                    f"built from config.json expects {tuple(p.shape)}")
+                if isinstance(p, DTensor):
+                    mine = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                    p.to_local().copy_(mine)
+                else:
+                    p.copy_(full)
+                held += p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+                del full
+    return held
+
+
+__all__ = ["CheckpointReader", "can_load_sharded", "empty_model", "materialize"]
