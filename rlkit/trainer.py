@@ -315,6 +315,7 @@ class Trainer:
         mask = batch["response_mask"]
         valid = torch.isfinite(scores)
         mask *= valid[:, None].float()  # samples whose reward is NaN are skipped (counted below)
+        given = scores  # as the reward functions gave them (NaN: skipped), for samples()
         scores = torch.nan_to_num(scores, nan=0.0)
         if self.config.kl_coef > 0:
             with _timer(t, "ref"):
@@ -357,7 +358,7 @@ class Trainer:
             rss += self.rollout_group.call("rss_gb", timeout=c.timeout_s)
         row["memory/rss_max_gb"] = max(rss)
         row.update({f"memory/rss_gb/rank{r}": v for r, v in enumerate(rss)})
-        self._log(row, prompts, gen, scores)
+        self._log(row, prompts, gen, given)
         return row
 
     # ---- the dataflow's pieces -------------------------------------------------------------------
@@ -469,7 +470,7 @@ class Trainer:
         for i, u in enumerate(gen["uid"]):
             self._samples.append({"step": self.step, "prompt": prompts[u]["prompt"],
                                   "completion": gen["completion"][i], "reward": float(scores[i])})
-        del self._samples[:-self.config.keep_samples]
+        del self._samples[:max(0, len(self._samples) - self.config.keep_samples)]  # [:-0] would keep all
 
     @property
     def metrics(self):
