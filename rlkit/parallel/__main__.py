@@ -36,6 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tol", type=float, default=1e-5)
     p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout, seconds")
     p.add_argument("--fail-rank", type=int, default=None, help="inject a failure on this rank (testing)")
+    p.add_argument("--load-only", action="store_true",
+                   help="only build the model: report peak RSS per rank while loading, beside its weights")
     return p.parse_args(argv)
 
 
@@ -66,6 +68,23 @@ def main(argv=None) -> int:
             dist.barrier()
             if rank != 0:
                 model = resolve_model(args.model)
+            if args.load_only:
+                from pathlib import Path
+
+                from rlkit.parallel.check import measure_load
+
+                arch = json.loads((Path(model) / "config.json").read_text()).get("model_type")
+                tiny = resolve_model("tiny-llama" if arch == "llama" else "tiny-qwen2")
+                rep = measure_load(model, plan, warmup=tiny)
+                if rank == 0 and args.json:
+                    with open(args.json, "w") as f:
+                        json.dump(rep, f, indent=1, default=str)
+                if rank == 0:
+                    import pandas as pd
+
+                    print(pd.DataFrame(rep["load"]).to_string(index=False), flush=True)
+                dist.destroy_process_group()
+                return 0
             rep = run_check(model, plan, steps=args.steps, seq_len=args.seq_len,
                             micro_batch_size=args.micro_batch_size, head=args.head, ckpt_dir=args.ckpt,
                             fail_rank=args.fail_rank, activation_checkpointing=args.activation_checkpointing)

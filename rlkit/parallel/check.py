@@ -222,6 +222,42 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     return report
 
 
+def measure_load(model: Any, plan: ParallelPlan, warmup: Any = None) -> dict[str, Any]:
+    """Peak host memory of building ``ParallelModel(model, plan)`` on this rank, beside what it must
+    hold: this rank's weights (measured, and ``rlkit.plan.memory``'s estimate) and the checkpoint's
+    largest tensor. ``load_peak_bytes`` is the rise of the process's peak RSS over its RSS before the
+    build (the RSS high-water mark before it is at most that RSS: imports only grow). ``warmup``: a tiny
+    checkpoint built the same way first, so one-time costs stay out of the number."""
+    import gc
+    import resource
+
+    import psutil
+
+    from rlkit.parallel.loading import CheckpointReader
+    from rlkit.plan.memory import estimate_memory
+
+    reader = CheckpointReader(model)
+    largest = max(reader.numel(n) * 4 for n in reader.files)  # fp32 bytes, from the headers
+    if warmup is not None:  # first-use costs (imports, process-group buffers) are not the model's
+        del_me = ParallelModel(warmup, plan)
+        del del_me
+    gc.collect()
+    dist.barrier()
+    before = psutil.Process().memory_info().rss
+    t0 = time.perf_counter()
+    pm = ParallelModel(model, plan)
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    weights = int(pm.memory()["weights"][dist.get_rank()])
+    est = estimate_memory(plan, pm.config, precision="fp32", optimizer="adamw")
+    row = {"rank": dist.get_rank(), "load_peak_bytes": max(0, peak - before), "weights_bytes": weights,
+           "weights_estimate": int(est["weights"][dist.get_rank()]), "largest_tensor_bytes": largest,
+           "load_seconds": seconds, "full_model_bytes": sum(reader.numel(n) * 4 for n in reader.files)}
+    rows: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    return {"plan": plan.describe(), "world_size": plan.world_size, "load": rows}
+
+
 def compare_with_estimate(measured, plan: ParallelPlan, config, seq_len: int, micro_batch: int,
                           head: str = "lm", activation_checkpointing: bool = False) -> list[dict] | None:
     """Measured bytes vs ``rlkit.plan.memory.estimate_memory`` (fp32 AdamW, gathered logits) per

@@ -12,6 +12,7 @@ tensor, plus fixed overhead.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,15 @@ class CheckpointReader:
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
+
+    def numel(self, name: str) -> int:
+        """Elements of tensor ``name``, from the file's header (nothing read)."""
+        if hasattr(self, "_bin"):
+            return self._bin[name].numel()
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            return math.prod(f.get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
         """The full tensor ``name`` (CPU). The file is opened per read, so its mapping (and the pages it
