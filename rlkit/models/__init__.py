@@ -1,5 +1,7 @@
-"""Tiny causal LMs and tokenizers built locally (no hub needed)."""
+"""Tiny causal LMs and tokenizers built locally (no hub needed), and real pretrained models by name."""
 
 from rlkit.models.tiny import ARCHS, SIZES, build_tokenizer, cache_dir, load, tiny_config, tiny_lm
+from rlkit.models.zoo import available, pretrained
 
-__all__ = ["ARCHS", "SIZES", "build_tokenizer", "cache_dir", "load", "tiny_config", "tiny_lm"]
+__all__ = ["ARCHS", "SIZES", "available", "build_tokenizer", "cache_dir", "load", "pretrained", "tiny_config",
+           "tiny_lm"]

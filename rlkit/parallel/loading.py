@@ -30,7 +30,7 @@ class CheckpointReader:
     >>> from rlkit.models import tiny_lm
     >>> reader = CheckpointReader(tiny_lm("qwen2"))
     >>> reader.get("model.norm.weight").shape
-    torch.Size([48])
+    torch.Size([64])
     """
 
     def __init__(self, folder: str | Path):
