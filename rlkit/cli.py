@@ -104,7 +104,7 @@ def _checked_train_config(cfg: dict) -> dict:
     import rlkit
     from rlkit.checks import integer
     from rlkit.errors import RlkitError
-    from rlkit.hub import check_checkpoint, resolve_model
+    from rlkit.hub import resolve_checkpoint
     from rlkit.models.tiny import ARCHS
     from rlkit.trainer import ALGORITHMS, TrainerConfig
 
@@ -121,8 +121,7 @@ def _checked_train_config(cfg: dict) -> dict:
             raise RlkitError(f"model={model!r}: the tiny models are {['tiny-' + a for a in ARCHS]}; or pass a "
                              f"checkpoint folder or hub id")
     else:
-        model = resolve_model(model)
-        check_checkpoint(model)
+        model = resolve_checkpoint(model)
     plan = rlkit.ParallelPlan(dp=cfg["dp"], tp=cfg["tp"], pp=cfg["pp"], micro_batches=cfg.get("micro_batches"))
     if not model.startswith("tiny-"):
         plan.validate(model=model)

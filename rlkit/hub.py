@@ -124,4 +124,11 @@ def check_checkpoint(ref: str, what: str = "model", tokenizer: bool = True) -> N
                             f"there with tokenizer.save_pretrained(folder)")
 
 
-__all__ = ["ModelRefError", "check_checkpoint", "hub_offline", "resolve_model"]
+def resolve_checkpoint(ref: Any, what: str = "model", tokenizer: bool = True) -> str:
+    """``resolve_model`` and, for a local folder, ``check_checkpoint``: a reference that can load whole."""
+    ref = resolve_model(ref, what)
+    check_checkpoint(ref, what, tokenizer)
+    return ref
+
+
+__all__ = ["ModelRefError", "check_checkpoint", "hub_offline", "resolve_checkpoint", "resolve_model"]

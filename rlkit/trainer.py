@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from rlkit.errors import RlkitError
-from rlkit.hub import check_checkpoint, resolve_model
+from rlkit.hub import resolve_checkpoint
 from rlkit.plan.topology import ParallelPlan
 from rlkit.rollout import Rollout
 
@@ -156,8 +156,7 @@ class Trainer:
                  placement: str = "colocated", rollout_workers: int = 1, **overrides: Any):
         # Everything is checked here, in the driver, before a worker starts: each error names the value.
         self.config = _config_with(config, overrides)
-        self.model_path = resolve_model(model)
-        check_checkpoint(self.model_path)
+        self.model_path = resolve_checkpoint(model)
         if not isinstance(algorithm, str) or algorithm.lower() not in ALGORITHMS:
             raise TrainerError(f"algorithm={algorithm!r} is not known; choose one of {sorted(ALGORITHMS)}")
         self.algorithm = algorithm.lower()

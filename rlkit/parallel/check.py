@@ -237,7 +237,7 @@ def measure_load(model: Any, plan: ParallelPlan, warmup: Any = None) -> dict[str
     from rlkit.plan.memory import estimate_memory
 
     reader = CheckpointReader(model)
-    largest = max(reader.numel(n) * 4 for n in reader.files)  # fp32 bytes, from the headers
+    sizes = [reader.numel(n) * 4 for n in reader.files]  # fp32 bytes, from the headers
     if warmup is not None:  # first-use costs (imports, process-group buffers) are not the model's
         del_me = ParallelModel(warmup, plan)
         del del_me
@@ -251,8 +251,8 @@ def measure_load(model: Any, plan: ParallelPlan, warmup: Any = None) -> dict[str
     weights = int(pm.memory()["weights"][dist.get_rank()])
     est = estimate_memory(plan, pm.config, precision="fp32", optimizer="adamw")
     row = {"rank": dist.get_rank(), "load_peak_bytes": max(0, peak - before), "weights_bytes": weights,
-           "weights_estimate": int(est["weights"][dist.get_rank()]), "largest_tensor_bytes": largest,
-           "load_seconds": seconds, "full_model_bytes": sum(reader.numel(n) * 4 for n in reader.files)}
+           "weights_estimate": int(est["weights"][dist.get_rank()]), "largest_tensor_bytes": max(sizes),
+           "load_seconds": seconds, "full_model_bytes": sum(sizes)}
     rows: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     return {"plan": plan.describe(), "world_size": plan.world_size, "load": rows}

@@ -79,10 +79,11 @@ class CheckpointReader:
 
 def can_load_sharded(model: Any) -> bool:
     """True for a local checkpoint folder with weights (hub ids and modules load whole)."""
+    from rlkit.hub import WEIGHT_FILES
+
     p = Path(str(model))
     return not isinstance(model, nn.Module) and p.is_dir() and (
-        any(p.glob("*.safetensors")) or (p / "model.safetensors.index.json").exists()
-        or (p / "pytorch_model.bin").exists())
+        any(p.glob("*.safetensors")) or any((p / name).exists() for name in WEIGHT_FILES))
 
 
 def empty_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:

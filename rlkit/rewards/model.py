@@ -79,10 +79,9 @@ class RewardModel:
             raise RewardModelError(f"tokenizer={tokenizer!r} is not a tokenizer; pass an AutoTokenizer, or None to "
                                    f"load the checkpoint's own")
         if isinstance(path_or_model, (str, os.PathLike)):
-            from rlkit.hub import check_checkpoint, resolve_model
+            from rlkit.hub import resolve_checkpoint
 
-            path_or_model = resolve_model(path_or_model, what="reward model")
-            check_checkpoint(path_or_model, what="reward model", tokenizer=tokenizer is None)
+            path_or_model = resolve_checkpoint(path_or_model, what="reward model", tokenizer=tokenizer is None)
         elif not hasattr(path_or_model, "config") or not callable(path_or_model):
             raise RewardModelError(f"RewardModel({type(path_or_model).__name__}) needs a checkpoint folder, a hub "
                                    f"id or a loaded AutoModelForSequenceClassification")
