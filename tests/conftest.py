@@ -38,6 +38,36 @@ def ray_cluster(ray_make_cluster):
     return ray_make_cluster()
 
 
+def settled_cpu_free(cluster, quiet_s: float = 2.0, bound_s: float = 60.0) -> float:
+    """Free CPUs once Ray's view has stopped changing for ``quiet_s``: a group closed by the test before
+    comes back to the free count a little later, and much later on a busy machine (a test that read the
+    count at once saw 0 free, then 2). Bounded: after ``bound_s`` the last reading is returned."""
+    import time
+
+    deadline = time.monotonic() + bound_s
+    last, since = cluster.resources()["CPU_free"].sum(), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = cluster.resources()["CPU_free"].sum()
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    return float(last)
+
+
+def wait_cpu_free(cluster, at_least: float = 0.0, at_most: float = float("inf"), bound_s: float = 60.0) -> float:
+    """Free CPUs once the count is in [at_least, at_most]: Ray updates it asynchronously. A bounded wait
+    against a hang, not a timing check; the caller asserts on the value returned."""
+    import time
+
+    deadline = time.monotonic() + bound_s
+    while not at_least <= (free := float(cluster.resources()["CPU_free"].sum())) <= at_most \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return free
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch thread for a module: tiny matmuls gain nothing from 2 threads, and on a busy 2-core box

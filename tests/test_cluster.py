@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import settled_cpu_free, wait_cpu_free
 
 from rlkit.cluster import Cluster, ClusterError
 from rlkit.errors import PlanError
@@ -62,11 +63,11 @@ def test_embedded_cluster_views(ray_cluster):
 @pytest.mark.timeout(120)
 def test_placement_keeps_tp_together_and_reports_missing_resources(ray_cluster):
     c = ray_cluster
-    free0 = c.resources()["CPU_free"].sum()
+    free0 = settled_cpu_free(c)
     pool = c.placement_group_for(ParallelPlan(dp=2, tp=2), name="t")
     assert len(pool.placement_groups) == 1 and len({pool.node_of(r) for r in range(4)}) == 1
     assert pool.table()["bundle"].tolist() == [0, 1, 2, 3]
-    assert c.resources()["CPU_free"].sum() == free0 - 4
+    assert wait_cpu_free(c, at_most=free0 - 4) == free0 - 4
     pool.remove()
     with pytest.raises(PlanError, match="tp=4 ranks must share one node, but the largest node holds 2"):
         c.placement_group_for(ParallelPlan(tp=4), cpus_per_worker=2)
@@ -77,10 +78,7 @@ def test_placement_keeps_tp_together_and_reports_missing_resources(ray_cluster):
     with pytest.raises(ClusterError, match=r"could not reserve 2 bundles .* within 1 s; free now: \{'CPU': 1.0\}"):
         c.placement_group_for(2, timeout_s=1)
     busy.remove()
-    deadline = time.monotonic() + 10
-    while c.resources()["CPU_free"].sum() < free0 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert c.resources()["CPU_free"].sum() == free0
+    assert wait_cpu_free(c, at_least=free0) >= free0
 
 
 def test_role_pools_colocate_or_split(ray_cluster):

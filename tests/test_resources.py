@@ -8,6 +8,7 @@ import os
 import time
 
 import pytest
+from conftest import wait_cpu_free
 
 from rlkit.cluster import ClusterError, OversubscribedWarning
 from rlkit.workers import WorkerGroup
@@ -38,12 +39,8 @@ def _light(cluster, n: int, **kw) -> WorkerGroup:
     return WorkerGroup(cluster, n, Light, init_process_group=False, timeout_s=60, **kw)
 
 
-def _wait_free(cluster, cpus: float, bound_s: float = 60) -> None:
-    """Ray returns resources asynchronously: wait (bounded, against a hang) until ``cpus`` are free."""
-    deadline = time.monotonic() + bound_s
-    while cluster.resources()["CPU_free"].sum() < cpus and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert cluster.resources()["CPU_free"].sum() >= cpus
+def _wait_free(cluster, cpus: float) -> None:
+    assert wait_cpu_free(cluster, at_least=cpus) >= cpus
 
 
 @pytest.mark.timeout(120)
