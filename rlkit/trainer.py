@@ -131,7 +131,9 @@ class Trainer:
 
     Args:
         model: a checkpoint folder or hub id (``rlkit.models.tiny_lm(...)`` builds one locally).
-        dataset: a task from ``rlkit.tasks`` or rows (list of dicts / DataFrame) with a ``prompt`` column.
+        dataset: a task from ``rlkit.tasks`` or rows (list of dicts / DataFrame) with a ``prompt`` column:
+            text, or a chat (TRL's conversational format, a list of ``{"role", "content"}`` messages),
+            which the model's chat template renders once, in the driver, with the assistant turn opened.
         reward: ``f(prompts, completions, **columns) -> list[float]``, or a list of ``(f, weight)``
             (default: the task's ``reward``).
         algorithm: one of ``ALGORITHMS`` (grpo, drgrpo, rloo, reinforce++, reinforce++-baseline, ppo).
@@ -177,7 +179,9 @@ class Trainer:
         if not isinstance(rollout_workers, int) or rollout_workers < 1:
             raise TrainerError(f"rollout_workers={rollout_workers!r} must be a positive integer")
         self.placement, self.rollout_workers = placement, rollout_workers
-        self.task, self.rows = _rows_of(dataset, self.config)
+        self.tokenizer = _load_tokenizer(self.model_path)
+        self.task, rows = _rows_of(dataset, self.config)
+        self.rows = _render_chats(rows, self.tokenizer, self.model_path)
         self.reward_fns = _reward_fns(reward, self.task)
         self._check_sizes()
         self.prompt_len = self._prompt_len()
@@ -214,16 +218,9 @@ class Trainer:
                                f"got n={self.rollout.n}")
 
     def _prompt_len(self) -> int:
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
-        try:
-            tok = AutoTokenizer.from_pretrained(self.model_path)
-        except Exception as e:  # no tokenizer files, an unknown tokenizer class, a broken download
-            raise TrainerError(f"cannot load a tokenizer from model {self.model_path!r} ({type(e).__name__}: "
-                               f"{str(e).splitlines()[0][:200] if str(e) else ''}); the checkpoint needs its "
-                               f"tokenizer files (tokenizer.json / tokenizer_config.json, saved with "
-                               f"tokenizer.save_pretrained)") from None
-        lengths = [len(ids) for ids in tok([r["prompt"] for r in self.rows])["input_ids"]]
+        lengths = [len(ids) for ids in self.tokenizer([r["prompt"] for r in self.rows])["input_ids"]]
         context = getattr(AutoConfig.from_pretrained(self.model_path), "max_position_embeddings", None)
         longest = max(range(len(lengths)), key=lengths.__getitem__)
         if context and lengths[longest] + self.rollout.max_new_tokens > context:
@@ -289,7 +286,7 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         _write_atomic(self.run_dir / "config.json", json.dumps(self._state_config(), indent=2, default=str))
         self._total = self.step + steps
-        live = LiveView(self._total, mode=view, title=f"{self.algorithm} on {self.plan.describe()}")
+        live = LiveView(steps, mode=view, title=f"{self.algorithm} on {self.plan.describe()}")
         try:
             for _ in range(steps):
                 row = self.train_step()
@@ -491,6 +488,7 @@ class Trainer:
             rows = list(self.task.dataset(n=n, seed=self.config.seed + 1, split="test"))
         else:
             _, rows = _rows_of(dataset if dataset is not None else self.rows, self.config)
+        rows = _render_chats(rows, self.tokenizer, self.model_path)
         rows = [dict(r, _row=i) for i, r in enumerate(rows[:n])]
         rows = rows[:len(rows) - len(rows) % self.plan.dp] or rows
         overrides = {"n": 1, **({"temperature": 0.0} if greedy else {})}
@@ -639,7 +637,52 @@ def _config_with(config: TrainerConfig | None, overrides: dict[str, Any]) -> Tra
     return dataclasses.replace(config or TrainerConfig(), **overrides)
 
 
+def _load_tokenizer(model_path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except Exception as e:  # no tokenizer files, an unknown tokenizer class, a broken download
+        raise TrainerError(f"cannot load a tokenizer from model {model_path!r} ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200] if str(e) else ''}); the checkpoint needs its "
+                           f"tokenizer files (tokenizer.json / tokenizer_config.json, saved with "
+                           f"tokenizer.save_pretrained)") from None
+
+
+def _is_chat(prompt: Any) -> bool:
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in prompt))
+
+
+def _render_chats(rows: list[dict[str, Any]], tokenizer: Any, model_path: str) -> list[dict[str, Any]]:
+    """Chat prompts (TRL's conversational format: a list of ``{"role", "content"}`` messages) rendered once,
+    in the driver, with the model's chat template and the assistant's turn opened; text prompts as they are.
+
+    The rendered text is what the engines tokenize and what reward functions get as ``prompts``. When the
+    tokenizer adds a BOS token itself, the template's leading BOS is dropped so the prompt holds one.
+    """
+    if not any(_is_chat(r.get("prompt")) for r in rows):
+        return rows
+    if not getattr(tokenizer, "chat_template", None):
+        raise TrainerError(f"the dataset's prompts are chats (lists of messages) but the tokenizer of model "
+                           f"{model_path!r} has no chat template; give text prompts, set tokenizer.chat_template "
+                           f"and save it with the model, or use an instruction-tuned checkpoint")
+    bos = getattr(tokenizer, "bos_token", None)
+    adds_bos = bos is not None and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
+    out = []
+    for row in rows:
+        if _is_chat(row.get("prompt")):
+            text = tokenizer.apply_chat_template(list(row["prompt"]), tokenize=False, add_generation_prompt=True)
+            if adds_bos and text.startswith(bos):
+                text = text[len(bos):]
+            row = {**row, "prompt": text}
+        out.append(row)
+    return out
+
+
 def _rows_of(dataset: Any, config: TrainerConfig) -> tuple[Any, list[dict[str, Any]]]:
+    """The rows of a task or dataset, each checked to have a ``prompt`` (text or chat)."""
     task = None
     if hasattr(dataset, "dataset") and hasattr(dataset, "reward"):
         task, dataset = dataset, dataset.dataset(n=config.train_size, seed=config.seed, split="train")
@@ -648,9 +691,11 @@ def _rows_of(dataset: Any, config: TrainerConfig) -> tuple[Any, list[dict[str, A
     rows = [dict(r) for r in dataset]
     if not rows:
         raise TrainerError("the dataset is empty; give at least one row with a 'prompt'")
-    bad = next((i for i, r in enumerate(rows) if not isinstance(r.get("prompt"), str) or not r["prompt"]), None)
+    bad = next((i for i, r in enumerate(rows)
+                if not (isinstance(r.get("prompt"), str) and r["prompt"]) and not _is_chat(r.get("prompt"))), None)
     if bad is not None:
-        raise TrainerError(f"dataset row {bad} has no non-empty 'prompt' string: {rows[bad]!r}")
+        raise TrainerError(f"dataset row {bad} has no 'prompt': a non-empty string, or a chat (a list of "
+                           f"{{'role': ..., 'content': ...}} messages); got {rows[bad]!r}")
     return task, rows
 
 

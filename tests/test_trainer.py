@@ -83,7 +83,7 @@ def test_bad_inputs_fail_before_any_worker_starts(tmp_path):
     path = tiny_lm("qwen2", size="small")
     with pytest.raises(TrainerError, match="the dataset is empty"):
         Trainer(model=path, dataset=[], reward=lambda p, c, **k: [0.0] * len(p))
-    with pytest.raises(TrainerError, match="dataset row 1 has no non-empty 'prompt'"):
+    with pytest.raises(TrainerError, match="dataset row 1 has no 'prompt': a non-empty string, or a chat"):
         Trainer(model=path, dataset=[{"prompt": "a"}, {"q": "b"}], reward=lambda p, c, **k: [0.0] * len(p))
     with pytest.raises(TrainerError, match="prompt 0 has .* tokens; .* exceeds the model context 512"):
         Trainer(model=path, dataset=[{"prompt": "a " * 600}], reward=lambda p, c, **k: [0.0] * len(p),

@@ -3,7 +3,7 @@
 Each task is a small dataclass: calling it returns its dataset (a ``list[dict]`` with ``prompt`` and
 answer columns, ``.to_pandas()`` for a DataFrame) and ``task.reward`` is a TRL-style reward function
 ``f(prompts, completions, **columns) -> list[float]``. Ready-made instances: ``arithmetic``
-(2-digit addition) and ``repeat`` (repeat the prompt's letter, learnable by RL from a random init).
+(2-digit addition), ``chat_arithmetic`` (the same asked in a chat, for instruction-tuned models) and ``repeat`` (repeat the prompt's letter, learnable by RL from a random init).
 
 >>> import rlkit
 >>> rows = rlkit.tasks.arithmetic(n=2, seed=0)
@@ -13,7 +13,7 @@ answer columns, ``.to_pandas()`` for a DataFrame) and ``task.reward`` is a TRL-s
 [1.0, 1.0]
 """
 
-from rlkit.tasks.arith import Arithmetic, first_number
+from rlkit.tasks.arith import Arithmetic, ChatArithmetic, first_number, last_number
 from rlkit.tasks.base import Rows, completion_text
 from rlkit.tasks.letters import Repeat
 from rlkit.tasks.sft import evaluate, sft_log, sft_warmstart
@@ -21,5 +21,7 @@ from rlkit.tasks.sft import evaluate, sft_log, sft_warmstart
 arithmetic = Arithmetic()
 repeat = Repeat()
 
-__all__ = ["Arithmetic", "Repeat", "Rows", "arithmetic", "completion_text", "evaluate", "first_number",
+chat_arithmetic = ChatArithmetic()
+
+__all__ = ["Arithmetic", "ChatArithmetic", "Repeat", "chat_arithmetic", "last_number", "Rows", "arithmetic", "completion_text", "evaluate", "first_number",
            "repeat", "sft_log", "sft_warmstart"]

@@ -29,6 +29,18 @@ def first_number(text: Any) -> int | None:
     return int(match.group()) if match else None
 
 
+def last_number(text: Any) -> int | None:
+    """The last integer in a completion (cut at eos), or ``None``; never raises.
+
+    Chat models answer in sentences ("17 + 25 = 42."), so their answer is the last number, not the first.
+
+    >>> last_number("17 + 25 = 42."), last_number("42<|im_end|>7"), last_number("none")
+    (42, 42, None)
+    """
+    matches = _NUMBER.findall(completion_text(text))
+    return int(matches[-1]) if matches else None
+
+
 def _digit_match(pred: int, answer: int) -> float:
     """Fraction of digit positions (right-aligned, over the longer number) that agree."""
     p, a = str(abs(pred)), str(abs(answer))
@@ -110,6 +122,10 @@ class Arithmetic:
         return max(longest[op] for op in self.ops) + 2
 
     # ---- rewards ---------------------------------------------------------------------------------
+    def predicted(self, completion: Any) -> int | None:
+        """The number a completion answers with (the first integer in it)."""
+        return first_number(completion)
+
     def _pairs(self, completions: Sequence[Any], columns: dict, fn: str):
         answers = aligned_column("answer", columns, len(completions), fn,
                                  "the answer column of the task's dataset")
@@ -124,14 +140,14 @@ class Arithmetic:
                 text = completion_text(completion).strip()
                 out.append(float(text == str(answer)))
             else:
-                out.append(float(first_number(completion) == answer))
+                out.append(float(self.predicted(completion) == answer))
         return out
 
     def partial_reward(self, prompts: Sequence[Any], completions: Sequence[Any], **columns: Any) -> list[float]:
         """Partial credit in [0, 1]: exact 1.0, else number + digit-match + closeness (see class doc)."""
         out = []
         for completion, answer in self._pairs(completions, columns, "partial_reward"):
-            pred = first_number(completion)
+            pred = self.predicted(completion)
             if pred is None:
                 out.append(0.0)
             elif pred == answer:
@@ -139,4 +155,57 @@ class Arithmetic:
             else:
                 closeness = max(0.0, 1.0 - abs(pred - answer) / (abs(answer) + 1))
                 out.append(0.1 + 0.4 * _digit_match(pred, answer) + 0.4 * closeness)
+        return out
+
+
+@dataclass(frozen=True)
+class ChatArithmetic(Arithmetic):
+    """Arithmetic asked in a chat, for instruction-tuned models: the prompt is a list of messages.
+
+    Each row's ``prompt`` is ``[{"role": "user", "content": "What is 17 + 25? Answer with just the
+    number."}]`` (a ``system`` message first if given), the TRL conversational format: the Trainer renders
+    it with the model's chat template (``add_generation_prompt=True``). ``question`` holds the user text.
+    Splits are by the question's hash, as for ``Arithmetic``.
+
+    ``reward`` checks the answer and its format, in [0, 1]: 0.6 if the answer is right (the last integer
+    in the completion is the answer) plus 0.4 if the completion (stripped, cut at eos) is a bare integer.
+    So ``"42"`` scores 1.0, ``"17 + 25 = 42"`` 0.6, ``"41"`` 0.4 and ``"The answer is 41"`` 0.0, and each
+    half can be learnt alone: a small chat model rarely gets both at first. ``exact`` (reward == 1, as
+    ``Trainer.evaluate`` reports it) is right *and* well-formatted. ``partial_reward`` is
+    ``Arithmetic``'s, on the last integer.
+
+    >>> task = ChatArithmetic(digits=2)
+    >>> row = task(n=1, seed=0)[0]
+    >>> row["prompt"] == [{"role": "user", "content": row["question"]}], row["question"].endswith("number.")
+    (True, True)
+    >>> task.reward(None, ["42", " 42<|im_end|>", "17 + 25 = 42.", "41", "The answer"], answer=[42] * 5)
+    [1.0, 1.0, 0.6, 0.4, 0.0]
+    """
+
+    template: str = "What is {a} {op} {b}? Answer with just the number."
+    system: str | None = None
+    name: str = "chat-arithmetic"
+
+    def _make(self, rng) -> dict:
+        row = super()._make(rng)
+        question = row["prompt"]
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return {**row, "prompt": system + [{"role": "user", "content": question}], "question": question}
+
+    def predicted(self, completion: Any) -> int | None:
+        """The number a completion answers with: the last integer in it (chat models answer in sentences)."""
+        return last_number(completion)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """Room for a one-sentence answer ("17 + 25 = 42") and eos: the whole question echoed back."""
+        return 4 * self.digits + 10
+
+    def reward(self, prompts: Sequence[Any], completions: Sequence[Any], **columns: Any) -> list[float]:
+        """0.6 for the right answer + 0.4 for a bare-integer reply (needs ``answer=``); see the class doc."""
+        out = []
+        for completion, answer in self._pairs(completions, columns, "reward"):
+            right = last_number(completion) == answer
+            bare = _NUMBER.fullmatch(completion_text(completion).strip()) is not None
+            out.append(0.6 * right + 0.4 * bare)
         return out

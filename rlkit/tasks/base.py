@@ -52,6 +52,17 @@ def check_n(n: int) -> None:
         raise ValueError(f"n={n!r} must be a non-negative int (the number of rows to draw)")
 
 
+def prompt_key(prompt: Any) -> str:
+    """The text a prompt is identified by: the string itself, or a chat's message contents joined.
+
+    >>> prompt_key("1+1="), prompt_key([{"role": "user", "content": "What is 1 + 1?"}])
+    ('1+1=', 'user: What is 1 + 1?')
+    """
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
+
+
 def split_of(key: str, test_fraction: float) -> str:
     """The split a problem belongs to, fixed by a stable hash of its text (not by the seed).
 
@@ -112,7 +123,7 @@ def draw(n: int, seed: int, split: str, make: Any, test_fraction: float) -> Iter
     while produced < n:
         row = make(rng)
         tries += 1
-        if split_of(row["prompt"], test_fraction) == split:
+        if split_of(prompt_key(row["prompt"]), test_fraction) == split:
             produced += 1
             tries = 0
             yield row
