@@ -34,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ckpt", default=None, help="folder for a save -> load -> continue check")
     p.add_argument("--json", default=None, help="write the report here (rank 0)")
     p.add_argument("--tol", type=float, default=1e-5)
+    p.add_argument("--lr", type=float, default=1e-3,
+                   help="AdamW lr of the compared steps (1e-3 moves a tiny model; a pretrained one wants ~1e-5)")
     p.add_argument("--timeout", type=float, default=120.0, help="process-group timeout, seconds")
     p.add_argument("--fail-rank", type=int, default=None, help="inject a failure on this rank (testing)")
     p.add_argument("--load-only", action="store_true",
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
                 dist.destroy_process_group()
                 return 0
             rep = run_check(model, plan, steps=args.steps, seq_len=args.seq_len,
-                            micro_batch_size=args.micro_batch_size, head=args.head, ckpt_dir=args.ckpt,
+                            micro_batch_size=args.micro_batch_size, head=args.head, ckpt_dir=args.ckpt, lr=args.lr,
                             fail_rank=args.fail_rank, activation_checkpointing=args.activation_checkpointing)
     except WorkerError as e:
         # The failing rank prints the whole traceback; the others one line naming it.

@@ -189,11 +189,10 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
                 r = reference_forward(ref, None, b)["logprobs"]
             report["max_dlogprob_gathered_model"] = (a - r).abs().max().item()
 
-    # 4b. re-layout into a generation layout (pp=1, TP over pairs of ranks when the world allows)
+    # 4b. re-layout into a generation layout (pp=1, the smallest TP > 1 the world and the model allow)
     from rlkit.parallel.relayout import relayout
 
-    world = plan.world_size
-    target = ParallelPlan(dp=world // 2, tp=2) if world % 2 == 0 and head == "lm" else ParallelPlan(dp=world)
+    target = _generation_layout(plan.world_size, model, head)
     shards, rel = relayout(pm, target)
     tp_rank = target.coords(rank)["tp"]
     drel = max((shards[k] - _megatron_tp_slice(k, v.detach(), target.tp, tp_rank)).abs().max().item()
@@ -273,6 +272,20 @@ def compare_with_estimate(measured, plan: ParallelPlan, config, seq_len: int, mi
     est = est.assign(activations=est["activations"] + est["logits"])
     cols = ["rank", "weights", "grads", "optimizer", "activations"]
     return compare_memory(est[cols], measured[cols]).to_dict(orient="records")
+
+
+def _generation_layout(world: int, model: Any, head: str) -> ParallelPlan:
+    """The layout the re-layout check targets: TP over 2 (or 3, 4) ranks where the world size and the
+    model's heads divide (SmolLM2's 9 heads take tp=3), else pure DP."""
+    from rlkit.errors import PlanError
+
+    for tp in (2, 3, 4) if head == "lm" else ():
+        if world % tp == 0:
+            try:
+                return ParallelPlan(dp=world // tp, tp=tp).validate(model=model)
+            except PlanError:
+                continue
+    return ParallelPlan(dp=world)
 
 
 def _chunks(b: dict[str, torch.Tensor], k: int):
