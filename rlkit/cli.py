@@ -17,6 +17,10 @@ def main(argv: list[str] | None = None) -> int:
     _train_args(train)
     demo = sub.add_parser("demo", help="the README's main job on the embedded default")
     demo.add_argument("--quick", action="store_true", help="a shorter run (for tests)")
+    demo.add_argument("--model", default=None,
+                      help="a real pretrained model (see rlkit.models.available(), e.g. smollm2-135m-instruct): "
+                           "GRPO on chat arithmetic, scored on held-out questions before and after")
+    demo.add_argument("--steps", type=int, default=None, help="RL steps (default: 100 tiny, 30 real model)")
     if argv and argv[0] == "plan":  # its own parser owns its flags
         from rlkit.plan.cli import main as plan_main
 
@@ -30,8 +34,19 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args)
     if args.command == "demo":
         from rlkit.demo import main as demo_main
+        from rlkit.demo import real_model_main
 
-        return demo_main(quick=args.quick)
+        if args.steps is not None and args.steps < 1:
+            parser.error(f"--steps={args.steps} must be a positive integer")
+        if args.model is not None:
+            from rlkit.errors import RlkitError
+
+            try:
+                return real_model_main(args.model, steps=args.steps, quick=args.quick)
+            except RlkitError as e:  # an unknown model name, a missing package: the message names the fix
+                print(f"rlkit demo: error: {e}", file=sys.stderr)
+                return 2
+        return demo_main(quick=args.quick, steps=args.steps)
     parser.print_help()
     return 0
 
@@ -108,7 +123,8 @@ def _checked_train_config(cfg: dict) -> dict:
     from rlkit.models.tiny import ARCHS
     from rlkit.trainer import ALGORITHMS, TrainerConfig
 
-    tasks = {"repeat": rlkit.tasks.repeat, "arithmetic": rlkit.tasks.arithmetic}
+    tasks = {"repeat": rlkit.tasks.repeat, "arithmetic": rlkit.tasks.arithmetic,
+             "chat-arithmetic": rlkit.tasks.chat_arithmetic}
     if cfg["task"] not in tasks:
         raise RlkitError(f"task={cfg['task']!r}: choose one of {sorted(tasks)}")
     if cfg["algorithm"] not in ALGORITHMS:
@@ -120,6 +136,8 @@ def _checked_train_config(cfg: dict) -> dict:
         if model.split("-", 1)[1] not in ARCHS:
             raise RlkitError(f"model={model!r}: the tiny models are {['tiny-' + a for a in ARCHS]}; or pass a "
                              f"checkpoint folder or hub id")
+    elif model in rlkit.models.available():  # a real model by name (converted once, then cached)
+        model = rlkit.models.pretrained(model)
     else:
         model = resolve_checkpoint(model)
     plan = rlkit.ParallelPlan(dp=cfg["dp"], tp=cfg["tp"], pp=cfg["pp"], micro_batches=cfg.get("micro_batches"))

@@ -55,3 +55,97 @@ def main(quick: bool = False, steps: int | None = None) -> int:
     finally:
         trainer.close()
     return 0
+
+
+# ---- the real model: GRPO on SmolLM2-135M-Instruct, measured on held-out questions -----------------------
+REAL_MODEL = "smollm2-135m-instruct"
+
+
+def real_model_run(model: str = REAL_MODEL, steps: int = 20, eval_every: int = 5, eval_samples: int = 4,
+                   digits: int = 1, lr: float = 2e-5, dp: int = 2, prompts_per_step: int = 4, n: int = 8,
+                   seed: int = 0, view: str = "auto",
+                   run_dir: str | None = None, log=print) -> dict:
+    """GRPO on chat arithmetic with a real pretrained model, scored on held-out questions as it trains.
+
+    The task is ``rlkit.tasks.ChatArithmetic(digits=digits, test_fraction=0.3)`` ("What is 3 + 5? Answer
+    with just the number.", reward 0.6 right answer + 0.4 bare-number reply); for one digit that is 75
+    training and 25 held-out questions. Before training and every ``eval_every`` steps the policy answers
+    every held-out question greedily, and ``eval_samples`` times each sampled at temperature 1. Each step
+trains on ``prompts_per_step`` questions sampled ``n`` times (about 27 s a step on 2 CPU cores at dp=2).
+    Returns ``{"curve": DataFrame (one row per evaluation), "metrics": the training metrics DataFrame,
+    "before": ..., "after": ... (the first and last curve rows as dicts), "samples": ...}``.
+
+    >>> out = real_model_run(steps=2, eval_every=2)              # doctest: +SKIP
+    >>> list(out["curve"].columns)[:3]                           # doctest: +SKIP
+    ['step', 'greedy/reward', 'greedy/exact']
+    """
+    import pandas as pd
+
+    import rlkit
+
+    path = rlkit.models.pretrained(model)
+    task = rlkit.tasks.ChatArithmetic(digits=digits, test_fraction=0.3)
+    held_out = list({r["question"]: r for r in task(n=20 * 10**digits, split="test")}.values())  # each once
+    plan = rlkit.ParallelPlan(dp=dp)
+    t0 = time.perf_counter()
+    trainer = rlkit.Trainer(model=path, dataset=task, algorithm="grpo", plan=plan,
+                            rollout=rlkit.Rollout(engine="hf", n=n, max_new_tokens=task.max_new_tokens),
+                            prompts_per_step=prompts_per_step, lr=lr, seed=seed,
+                            run_dir=run_dir or os.path.join("runs", f"real-{model}"))
+    log(f"{model} on {plan.world_size} worker(s) ({plan.describe()}) ready in {time.perf_counter() - t0:.1f} s")
+    curve = []
+
+    def evaluate() -> None:
+        t = time.perf_counter()
+        greedy = trainer.evaluate(held_out, n=len(held_out), greedy=True)
+        sampled = trainer.evaluate(held_out * eval_samples, n=len(held_out) * eval_samples, greedy=False)
+        m = trainer.metrics
+        done = m.iloc[-eval_every:] if len(m) else None
+        curve.append({"step": trainer.step, "greedy/reward": greedy["reward"], "greedy/exact": greedy["exact"],
+                      "sampled/reward": sampled["reward"], "sampled/exact": sampled["exact"],
+                      "train/reward": done["reward/mean"].mean() if done is not None else float("nan"),
+                      "s/step": done["timing/step"].median() if done is not None else float("nan"),
+                      "eval s": time.perf_counter() - t})
+        r = curve[-1]
+        log(f"step {r['step']:3d}  held-out greedy reward {r['greedy/reward']:.3f} exact {r['greedy/exact']:.3f}  "
+            f"sampled reward {r['sampled/reward']:.3f} exact {r['sampled/exact']:.3f}")
+
+    try:
+        evaluate()
+        while trainer.step < steps:
+            trainer.fit(steps=min(eval_every, steps - trainer.step), view=view)
+            evaluate()
+        samples = trainer.samples(last=1)
+        metrics = trainer.metrics
+    finally:
+        trainer.close()
+    curve = pd.DataFrame(curve)
+    return {"curve": curve, "metrics": metrics, "before": curve.iloc[0].to_dict(), "after": curve.iloc[-1].to_dict(),
+            "samples": samples}
+
+
+def real_model_main(model: str = REAL_MODEL, steps: int | None = None, quick: bool = False) -> int:
+    """`rlkit demo --model NAME`: ``real_model_run`` with its numbers printed (``--quick``: 4 steps)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import torch
+
+    import rlkit
+
+    if model not in rlkit.models.available():
+        rlkit.models.pretrained(model)  # a folder or hub id resolves; anything else raises, naming the choices
+    torch.set_num_threads(1)
+    steps = steps or (4 if quick else 20)
+    every = min(steps, 2 if quick else 5)
+    print(f"== {model}: GRPO on chat arithmetic ('What is 3 + 5? Answer with just the number.'), {steps} steps ==")
+    t0 = time.perf_counter()
+    out = real_model_run(model, steps=steps, eval_every=every, eval_samples=1 if quick else 4)
+    wall = time.perf_counter() - t0
+    b, a = out["before"], out["after"]
+    print(f"\nheld-out questions, greedy: reward {b['greedy/reward']:.3f} -> {a['greedy/reward']:.3f}, exact "
+          f"{b['greedy/exact']:.3f} -> {a['greedy/exact']:.3f}; sampled: reward {b['sampled/reward']:.3f} -> "
+          f"{a['sampled/reward']:.3f}")
+    print(f"{steps} steps in {wall / 60:.1f} min ({out['metrics']['timing/step'].median():.1f} s/step median)")
+    print("samples from the last step:")
+    for _, s in out["samples"].head(4).iterrows():
+        print(f"  {s['completion']!r}  reward {s['reward']:.2f}")
+    return 0

@@ -52,7 +52,7 @@ def test_missing_config_file(tmp_path, capsys):
 
 def test_unknown_task_names_it_and_the_choices(capsys):
     err = train_error(capsys, "--task", "nope")
-    assert "task='nope'" in err and "['arithmetic', 'repeat']" in err
+    assert "task='nope'" in err and "['arithmetic', 'chat-arithmetic', 'repeat']" in err
 
 
 def test_bad_plan_value(capsys, tmp_path):

@@ -140,6 +140,11 @@ class RLWorker:
     def rss_gb(self) -> float:
         return _rss_gb()
 
+    def memory(self) -> list[dict[str, int]]:
+        """The actor's bytes per rank (weights, grads of the last backward, optimizer state), measured:
+        rows for ``rlkit.plan.compare_memory`` beside ``plan.memory(...)``. A collective: call every rank."""
+        return self.actor.memory().to_dict(orient="records")
+
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
