@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 
-from rlkit.errors import WorkerError
+from rlkit.errors import PlanError, WorkerError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -77,6 +77,10 @@ def main(argv=None) -> int:
 
                 arch = json.loads((Path(model) / "config.json").read_text()).get("model_type")
                 tiny = resolve_model("tiny-llama" if arch == "llama" else "tiny-qwen2")
+                try:  # the warm-up takes first-use costs out; a plan the tiny model cannot take skips it
+                    plan.validate(model=tiny)
+                except PlanError:
+                    tiny = None
                 rep = measure_load(model, plan, warmup=tiny)
                 if rank == 0 and args.json:
                     with open(args.json, "w") as f:

@@ -225,10 +225,11 @@ def measure_load(model: Any, plan: ParallelPlan, warmup: Any = None) -> dict[str
     """Peak host memory of building ``ParallelModel(model, plan)`` on this rank, beside what it must
     hold: this rank's weights (measured, and ``rlkit.plan.memory``'s estimate) and the checkpoint's
     largest tensor. ``load_peak_bytes`` is the rise of the process's peak RSS over its RSS before the
-    build (the RSS high-water mark before it is at most that RSS: imports only grow). ``warmup``: a tiny
+    build. The peak is reset just before (Linux: ``/proc/self/clear_refs``), so an earlier high-water
+    mark (building the tiny warm-up model on a fresh cache, a freed warm-up load) is not counted: without
+    the reset, rank 0 of a fresh clone read 238 MiB where its load peaked at ~80. ``warmup``: a tiny
     checkpoint built the same way first, so one-time costs stay out of the number."""
     import gc
-    import resource
 
     import psutil
 
@@ -242,11 +243,12 @@ def measure_load(model: Any, plan: ParallelPlan, warmup: Any = None) -> dict[str
         del del_me
     gc.collect()
     dist.barrier()
+    _reset_peak_rss()
     before = psutil.Process().memory_info().rss
     t0 = time.perf_counter()
     pm = ParallelModel(model, plan)
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    peak = _peak_rss()
     weights = int(pm.memory()["weights"][dist.get_rank()])
     est = estimate_memory(plan, pm.config, precision="fp32", optimizer="adamw")
     row = {"rank": dist.get_rank(), "load_peak_bytes": max(0, peak - before), "weights_bytes": weights,
@@ -255,6 +257,29 @@ def measure_load(model: Any, plan: ParallelPlan, warmup: Any = None) -> dict[str
     rows: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     return {"plan": plan.describe(), "world_size": plan.world_size, "load": rows}
+
+
+def _reset_peak_rss() -> None:
+    """Reset this process's RSS high-water mark (VmHWM) to its current RSS (Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # not Linux: the lifetime peak (ru_maxrss) is what _peak_rss reads
+        pass
+
+
+def _peak_rss() -> int:
+    """This process's RSS high-water mark in bytes: VmHWM (since the last reset), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def compare_with_estimate(measured, plan: ParallelPlan, config, seq_len: int, micro_batch: int,
