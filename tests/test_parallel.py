@@ -150,7 +150,7 @@ def test_plan_matches_single_process(tmp_path, tiny_paths, name):
     run_plan(tmp_path, tiny_paths, nprocs, *args, arch=arch, ckpt=name == "dp4_hybrid_shard")
 
 
-# ---- the real model's shapes (slow): SmolLM2-135M-Instruct, 30 layers, 9 heads / 3 KV heads (tp=3 is the
+# ---- the real model's shapes: SmolLM2-135M-Instruct, 30 layers, 9 heads / 3 KV heads (tp=3 is the
 # largest TP that divides both), vocab 49,152 (divides by 3), tied embeddings. Each also holds the measured
 # weights, grads and optimizer bytes per rank within 10% of plan.memory's estimate (run_plan).
 # fp32 on 30 layers and a 49k vocab: reduction order (TP partial sums, PP micro-batch accumulation) differs
@@ -161,16 +161,17 @@ def test_plan_matches_single_process(tmp_path, tiny_paths, name):
 REAL_TOL = {"max_dlogprob": 1e-4, "max_dentropy": 1e-4, "max_dgrad": 5e-4, "max_dweight": 1e-5,
             "max_dlogprob_gathered_model": 5e-4, "max_drelayout": 1e-5, "loss_rel": 2e-5, "grad_norm_rel": 1e-4}
 REAL_PLANS = {  # lr=2e-5: a fine-tuning step (lr=1e-3 moves pretrained weights by ~5% a step)
-    "dp2": (2, ["--dp", "2", "--lr", "2e-5"]),
     "tp3": (3, ["--tp", "3", "--lr", "2e-5"]),
-    "pp2": (2, ["--pp", "2", "--micro-batches", "2", "--lr", "2e-5"]),
     "pp3": (3, ["--pp", "3", "--micro-batches", "3", "--lr", "2e-5"]),
+    "dp2": (2, ["--dp", "2", "--lr", "2e-5"]),
+    "pp2": (2, ["--pp", "2", "--micro-batches", "2", "--lr", "2e-5"]),
 }
+REAL_SLOW = {"dp2", "pp2"}  # tp3 and pp3 (~1 min each) run in the default suite
 
 
-@pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.parametrize("name", list(REAL_PLANS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in REAL_SLOW else n
+                                  for n in REAL_PLANS])
 def test_real_model_plan_matches_single_process(tmp_path, name):
     from rlkit.models import pretrained
 
