@@ -18,6 +18,7 @@ from rlkit.demo import real_model_run
 pytestmark = [pytest.mark.slow, pytest.mark.ray]
 
 
+@pytest.mark.timeout(1800)  # ~13 min here: 20 steps of ~28 s and 5 evaluations (the suite's default is 600 s)
 def test_grpo_raises_the_held_out_reward_of_the_real_model(tmp_path):
     out = real_model_run(steps=20, eval_every=5, view="none", run_dir=str(tmp_path / "run"))
     before, after, curve = out["before"], out["after"], out["curve"]
@@ -29,6 +30,7 @@ def test_grpo_raises_the_held_out_reward_of_the_real_model(tmp_path):
     assert after["sampled/reward"] > before["sampled/reward"] + 0.25, curve
 
 
+@pytest.mark.timeout(1800)
 def test_demo_model_runs_from_the_command_line(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
     proc = subprocess.run([sys.executable, "-m", "rlkit", "demo", "--model", "smollm2-135m-instruct", "--quick"],
