@@ -177,35 +177,66 @@ def test_param_buffers_count_unsharded_grad_accumulation_and_gathered_layers():
 
 # ---- activations and logits ----------------------------------------------------------------------
 def test_activations_follow_korthikanti():
-    # llama-2-7b, s=2048, b=1, a=32, h=4096, 32 layers, 16-bit activations:
-    # sbh(34 + 5as/h) per layer (Korthikanti et al. 2022, Eq. 2)
+    # llama-2-7b, s=2048, b=1, a=32, h=4096, 32 layers, 16-bit activations, eager attention (the
+    # default is flash): sbh(34 + 5as/h) per layer (Korthikanti et al. 2022, Eq. 2)
     s, b, h, a, L = 2048, 1, 4096, 32, 32
+    eager = dict(flash_attention=False)
     per_layer = s * b * h * 34 + 5 * a * s * s * b
-    assert estimate_memory(ParallelPlan(), "llama-2-7b").activations[0] == L * per_layer
+    assert estimate_memory(ParallelPlan(), "llama-2-7b", **eager).activations[0] == L * per_layer
     # tp=8 without SP: sbh(10 + 24/t + 5as/(ht)); with SP: sbh(34/t + 5as/(ht))
-    tp = estimate_memory(ParallelPlan(tp=8), "llama-2-7b").activations[0]
+    tp = estimate_memory(ParallelPlan(tp=8), "llama-2-7b", **eager).activations[0]
     assert tp == L * (10 * s * b * h + (24 * s * b * h + 5 * a * s * s * b) // 8)
-    sp = estimate_memory(ParallelPlan(tp=8), "llama-2-7b", sequence_parallel=True).activations[0]
+    sp = estimate_memory(ParallelPlan(tp=8), "llama-2-7b", sequence_parallel=True, **eager).activations[0]
     assert sp == L * ((34 * s * b * h + 5 * a * s * s * b) // 8)
-    # flash attention drops the attention-score term; fp32 doubles everything
-    assert estimate_memory(ParallelPlan(), "llama-2-7b", flash_attention=True).activations[0] == L * 34 * s * b * h
-    assert estimate_memory(ParallelPlan(), "llama-2-7b", precision="fp32").activations[0] == 2 * L * per_layer
-    # full recomputation: 2sbh per layer input + one layer's activations while it is recomputed
-    ac = estimate_memory(ParallelPlan(), "llama-2-7b", activation_checkpointing=True).activations[0]
+    # flash attention (the default) drops the attention-score term; fp32 doubles everything
+    assert estimate_memory(ParallelPlan(), "llama-2-7b").activations[0] == L * 34 * s * b * h
+    assert estimate_memory(ParallelPlan(), "llama-2-7b", precision="fp32", **eager).activations[0] == 2 * L * per_layer
+    # selective recompute (Korthikanti Sec. 5) drops the same term under eager attention: 34sbh/t with SP
+    sel = estimate_memory(ParallelPlan(tp=8), "llama-2-7b", sequence_parallel=True, recompute="selective", **eager)
+    assert sel.activations[0] == L * (34 * s * b * h // 8)
+    # full recomputation: 2sbh per layer input + one layer's activations while it is recomputed;
+    # activation_checkpointing=True is its alias
+    ac = estimate_memory(ParallelPlan(), "llama-2-7b", recompute="full", **eager).activations[0]
     assert ac == L * 2 * s * b * h + per_layer
+    assert estimate_memory(ParallelPlan(), "llama-2-7b", activation_checkpointing=True, **eager).activations[0] == ac
+
+
+def test_recompute_mode_errors_name_the_value():
+    with pytest.raises(PlanError, match="recompute='some'.*none.*selective.*full"):
+        estimate_memory(ParallelPlan(), "llama-2-7b", recompute="some")
+    with pytest.raises(PlanError, match="contradicts"):
+        estimate_memory(ParallelPlan(), "llama-2-7b", recompute="none", activation_checkpointing=True)
+
+
+def test_peak_memory_is_the_largest_rank_of_the_full_table():
+    from rlkit.plan.memory import peak_memory
+
+    # uneven TP (9 heads over 3... vocab), uneven FSDP shards (dp=5), pipeline stages and a rollout
+    cases = [(ParallelPlan(dp=5, tp=2), "qwen2.5-7b", {}),
+             (ParallelPlan(pp=6, micro_batches=12), "llama-2-7b", {}),   # uneven: 32 layers over 6 stages
+             (ParallelPlan(pp=5, vpp=2, micro_batches=10), "qwen2.5-0.5b", dict(flash_attention=False)),
+             (ParallelPlan(dp=2, tp=2, pp=3), "qwen2.5-0.5b", dict(rollout=dict(tp=2, max_tokens=4096))),
+             (ParallelPlan(dp=6, pp=2, dp_shard="hybrid_shard", dp_shard_size=3), "llama-2-7b",
+              dict(recompute="full", roles=("actor", "reference")))]
+    for plan, model, kw in cases:
+        df = estimate_memory(plan, model, device_memory="80GB", **kw)
+        peak = peak_memory(plan, model, device_memory="80GB", **kw)
+        assert peak["peak"] == df["total"].max(), plan.describe()
+        assert df[df.pp == peak["stage"]]["total"].max() == peak["peak"]
+        assert peak["fits"] == bool(df["fits"].all())
 
 
 def test_pipeline_in_flight_micro_batches():
     s, b, h, a = 2048, 1, 4096, 32
     per_layer = s * b * h * 34 + 5 * a * s * s * b
     # 1F1B, pp=4, m=8: stage r holds pp - r micro-batches of its 8 layers
-    df = estimate_memory(ParallelPlan(pp=4, micro_batches=8), "llama-2-7b")
+    df = estimate_memory(ParallelPlan(pp=4, micro_batches=8), "llama-2-7b", flash_attention=False)
     assert df.activations.tolist() == [k * 8 * per_layer for k in (4, 3, 2, 1)]
     # GPipe holds all m
-    g = estimate_memory(ParallelPlan(pp=4, micro_batches=8, schedule="gpipe"), "llama-2-7b")
+    g = estimate_memory(ParallelPlan(pp=4, micro_batches=8, schedule="gpipe"), "llama-2-7b", flash_attention=False)
     assert g.activations.tolist() == [8 * 8 * per_layer] * 4
     # interleaved 1F1B (vpp=2): the first stage holds pp(1 + (pp-1)/(pp*vpp)) = 5.5 micro-batches
-    i = estimate_memory(ParallelPlan(pp=4, vpp=2, micro_batches=8), "llama-2-7b")
+    i = estimate_memory(ParallelPlan(pp=4, vpp=2, micro_batches=8), "llama-2-7b", flash_attention=False)
     assert i.activations[0] == 11 * 8 * per_layer // 2
 
 
@@ -281,8 +312,9 @@ def test_fits_and_explain():
     text = explain_fit(state)
     assert "2 of 2 ranks do not fit in 80.00 GiB" in text and "rank 0 (dp=0, tp=0, pp=0)" in text
     assert "optimizer dominates" in text and "dp_shard='full_shard'" in text
-    acts = estimate_memory(ParallelPlan(dp=8), "llama-2-13b", seq_len=8192, device_memory="80GiB")
-    assert "activations dominates" in explain_fit(acts) and "activation_checkpointing" in explain_fit(acts)
+    acts = estimate_memory(ParallelPlan(dp=8), "llama-2-13b", seq_len=8192, device_memory="80GiB",
+                           flash_attention=False)
+    assert "activations dominates" in explain_fit(acts) and "recompute='selective'" in explain_fit(acts)
     assert "Pass device_memory" in explain_fit(estimate_memory(ParallelPlan(), "qwen2.5-0.5b"))
 
 

@@ -293,7 +293,8 @@ def compare_with_estimate(measured, plan: ParallelPlan, config, seq_len: int, mi
         return None
     est = estimate_memory(plan, config, seq_len=seq_len, micro_batch=micro_batch, precision="fp32",
                           optimizer="adamw", roles=("critic",) if head == "value" else ("actor",),
-                          gathered_logits=True, activation_checkpointing=activation_checkpointing)
+                          gathered_logits=True, activation_checkpointing=activation_checkpointing,
+                          flash_attention=False)  # rlkit.parallel builds HF models with eager attention
     est = est.assign(activations=est["activations"] + est["logits"])
     cols = ["rank", "weights", "grads", "optimizer", "activations"]
     return compare_memory(est[cols], measured[cols]).to_dict(orient="records")

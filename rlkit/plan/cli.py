@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=4096, help="sequence length for the memory estimate")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch for the memory estimate")
     p.add_argument("--gpu-memory", help="device memory, e.g. 80GB or 80GiB: adds a fits column")
+    p.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                   help="activation recompute for the memory estimate (default none)")
+    p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism with TP")
+    p.add_argument("--eager-attention", action="store_true",
+                   help="attention that keeps the s^2 scores (CPU / eager); the default is flash/SDPA as on GPUs")
     p.add_argument("--max-rows", type=int, default=32, help="abbreviate the rank table past this many rows")
     return p
 
@@ -59,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.model:
             plan.validate(model=args.model)
         print(report(plan, args.model, seq_len=args.seq_len, micro_batch=args.micro_batch,
-                     gpu_memory=args.gpu_memory, max_rows=args.max_rows))
+                     gpu_memory=args.gpu_memory, max_rows=args.max_rows, recompute=args.recompute,
+                     sequence_parallel=args.sequence_parallel, flash_attention=not args.eager_attention))
     except PlanError as e:
         # the message already names the bad value and the fix; a traceback would only hide it
         print(f"rlkit plan: error: {' '.join(str(e).split())}", file=sys.stderr)
@@ -70,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(plan: ParallelPlan, model: Any = None, *, seq_len: int = 4096, micro_batch: int = 1,
-           gpu_memory: str | int | None = None, max_rows: int = 32) -> str:
-    """The text `rlkit plan` prints, as a string.
+           gpu_memory: str | int | None = None, max_rows: int = 32, **memory_kw: Any) -> str:
+    """The text `rlkit plan` prints, as a string. ``memory_kw`` go to ``estimate_memory``
+    (recompute, sequence_parallel, flash_attention: its defaults are the CLI's).
 
     >>> print(report(ParallelPlan(dp=2, tp=2)).splitlines()[0])
     Plan: dp=2 x tp=2 x pp=1 = 4 ranks; DP full_shard
@@ -88,7 +95,7 @@ def report(plan: ParallelPlan, model: Any = None, *, seq_len: int = 4096, micro_
         out.append(f"Warning: {w}")
     out += ["", _table_text(plan, model, max_rows)]
     if model is not None:
-        out += ["", _memory_text(plan, model, seq_len, micro_batch, gpu_memory)]
+        out += ["", _memory_text(plan, model, seq_len, micro_batch, gpu_memory, **memory_kw)]
     if plan.pp > 1:
         out += ["", _bubble_text(plan)]
     return "\n".join(out)
@@ -119,13 +126,14 @@ def _table_text(plan: ParallelPlan, model: Any, max_rows: int) -> str:
 
 
 def _memory_text(plan: ParallelPlan, model: Any, seq_len: int, micro_batch: int,
-                 gpu_memory: str | int | None) -> str:
+                 gpu_memory: str | int | None, **memory_kw: Any) -> str:
     if importlib.util.find_spec("rlkit.plan.memory") is None:
         return "Memory per rank: (rlkit.plan.memory is not available in this version)"
     from rlkit.plan import memory
     from rlkit.widgets.plan_view import collapse_ranks
 
-    df = memory.estimate_memory(plan, model, seq_len=seq_len, micro_batch=micro_batch, device_memory=gpu_memory)
+    df = memory.estimate_memory(plan, model, seq_len=seq_len, micro_batch=micro_batch, device_memory=gpu_memory,
+                                **memory_kw)
     kinds = collapse_ranks(df)
     # all-zero components (no rollout engine, say) would only widen the table
     byte_cols = [c for c in kinds.columns if c not in ("ranks", "count", "fits") and (c == "total" or kinds[c].any())]
@@ -134,7 +142,10 @@ def _memory_text(plan: ParallelPlan, model: Any, seq_len: int, micro_batch: int,
         shown[c] = (kinds[c] / GIB).round(2)
     if "fits" in kinds.columns:
         shown["fits"] = kinds["fits"]
-    text = (f"Memory per rank in GiB (seq_len={seq_len}, micro_batch={micro_batch}; identical ranks grouped):\n"
+    settings = f"recompute={df.attrs['recompute']}, sequence_parallel={df.attrs['sequence_parallel']}, " \
+               f"{'flash' if df.attrs['flash_attention'] else 'eager'} attention"
+    text = (f"Memory per rank in GiB (seq_len={seq_len}, micro_batch={micro_batch}, {settings}; identical ranks "
+            f"grouped):\n"
             + shown.to_string(index=False))
     if "fits" in df.columns and hasattr(memory, "explain_fit"):
         text += "\n" + memory.explain_fit(df)

@@ -9,7 +9,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from rlkit.errors import PlanError
-from rlkit.plan.memory import PRECISIONS, _check_common, _layer_tensors, _pos_int, _root_tensors, _shard
+from rlkit.plan.memory import (
+    PRECISIONS,
+    _check_common,
+    _layer_tensors,
+    _pos_int,
+    _root_tensors,
+    _shard,
+    recompute_mode,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -67,8 +75,9 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
                            global_batch: int | None = None, precision: str = "bf16-mixed",
                            devices_per_node: int | None = None, intra_node_bw: Any = "nvlink",
                            inter_node_bw: Any = "ib", sequence_parallel: bool = False,
-                           activation_checkpointing: bool = False, vocab_parallel: bool = True,
-                           gathered_logits: bool = False, stage: int | None = None) -> pd.DataFrame:
+                           recompute: str | None = None, activation_checkpointing: bool | None = None,
+                           vocab_parallel: bool = True, gathered_logits: bool = False,
+                           stage: int | None = None, _rows_only: bool = False) -> pd.DataFrame:
     """Collectives one rank runs per optimizer step: one row per (dim, collective).
 
     Columns: ``dim, collective, group_size, calls_per_step, bytes_per_call`` (the collective's full
@@ -100,7 +109,7 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
 
     **TP** (Megatron: Shoeybi et al. 2019, Sec. 3, the f/g operators): per decoder layer and
     micro-batch 2 all-reduces in forward and 2 in backward (+2 when recomputing the forward with
-    ``activation_checkpointing``), each of ``micro_batch x seq_len x hidden x compute bytes``;
+    ``recompute="full"``; selective recompute repeats no collective), each of ``micro_batch x seq_len x hidden x compute bytes``;
     ``sequence_parallel`` replaces each by an all-gather plus a reduce-scatter of the same size
     (Korthikanti et al. 2022, Sec. 4.2.2): same bytes. The vocab-parallel embedding adds a forward
     all-reduce on the first stage and the column-parallel lm_head a backward one on the last;
@@ -109,9 +118,11 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
 
     **PP** (send/recv between neighbouring stages, Narayanan et al. 2021): per micro-batch and per
     virtual stage on this rank, activations ``micro_batch x seq_len x hidden x compute bytes``
-    forward (unless it is the last stage) and their gradient backward (unless it is the first).
+    forward (unless it is the last stage) and their gradient backward (unless it is the first);
+    ``/tp`` with ``sequence_parallel``, where each TP rank holds and sends a 1/tp slice.
     """
     spec, s, b = _check_common(plan, model, seq_len, micro_batch, precision)
+    full_recompute = recompute_mode(recompute, activation_checkpointing) == "full"
     if global_batch is not None:
         _pos_int("global_batch", global_batch)
         if global_batch % (plan.dp * b):
@@ -167,7 +178,7 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
                             sum(units[k] * unit_full[k] for k in units) // S * syncs * gb))
         # -- TP
         if tp > 1:
-            calls = (4 + 2 * activation_checkpointing) * L * m + (m * first + m * last) * vocab_parallel
+            calls = (4 + 2 * full_recompute) * L * m + (m * first + m * last) * vocab_parallel
             if sequence_parallel:
                 out.append(("tp", "all-gather", tp, calls, calls * act))
                 out.append(("tp", "reduce-scatter", tp, calls, calls * act))
@@ -180,10 +191,13 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
             virt = [v for v in range(plan.n_stages) if v % pp == p]
             fwd = sum(v < plan.n_stages - 1 for v in virt) * m
             bwd = sum(v > 0 for v in virt) * m
+            # with sequence parallelism a stage boundary's activation is already split over TP: each
+            # TP rank sends its 1/tp slice (Megatron's scatter/gather optimisation, Narayanan 2021 Sec. 4.1)
+            msg = act // tp if sequence_parallel else act
             if fwd:
-                out.append(("pp", "send/recv forward", 2, fwd, fwd * act))
+                out.append(("pp", "send/recv forward", 2, fwd, fwd * msg))
             if bwd:
-                out.append(("pp", "send/recv backward", 2, bwd, bwd * act))
+                out.append(("pp", "send/recv backward", 2, bwd, bwd * msg))
         rows = []
         for dim, coll, n, calls, total in out:
             link = links[(dim, coll.split(" ")[0])]
@@ -194,7 +208,16 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
         return rows
 
     if stage is None:
-        stage = max(range(pp), key=lambda p: (sum(r["time_s"] for r in rows_of(p)), -p))
+        # the busiest stage: time grows with a stage's layers and falls with its position (fewer
+        # warm-up gathers), the ends add embedding / lm_head collectives; so the first stage of each
+        # layer count and the two ends are the only candidates (ties go to the lowest pipeline rank)
+        first_of = {}
+        for p, n in enumerate(layers_per_rank):
+            first_of.setdefault(n, p)
+        candidates = sorted({0, pp - 1, *first_of.values()})
+        stage = max(candidates, key=lambda p: (sum(r["time_s"] for r in rows_of(p)), -p))
+    if _rows_only:  # the plan search's fast path: no DataFrame
+        return rows_of(stage)  # type: ignore[return-value]
     import pandas as pd
 
     cols = ["dim", "collective", "group_size", "calls_per_step", "bytes_per_call", "bytes_per_step",

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from rlkit.errors import PlanError
@@ -38,6 +39,7 @@ DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "fl
                "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 COMPONENTS = ("weights", "grads", "optimizer", "param_buffers", "activations", "logits", "kv_cache",
               "rollout_weights")
+RECOMPUTE = ("none", "selective", "full")
 _PERSISTENT = ("weights", "grads", "optimizer")
 _TRANSIENT = ("param_buffers", "activations", "logits")
 _ROLLOUT = ("rollout_weights", "kv_cache")
@@ -98,6 +100,26 @@ def _chunk(n: int, parts: int, index: int) -> int:
     the last ones shorter or empty (DTensor's uneven Shard and FSDP2's ``_chunk_with_empty``)."""
     c = -(-n // parts)
     return max(0, min(c, n - index * c))
+
+
+def recompute_mode(recompute: str | None = None, activation_checkpointing: bool | None = None) -> str:
+    """The activation-recompute mode, one of ``RECOMPUTE``: ``recompute`` as given, or the older
+    ``activation_checkpointing=True`` (an alias for "full"); "none" when neither is set.
+
+    >>> recompute_mode(), recompute_mode("selective"), recompute_mode(activation_checkpointing=True)
+    ('none', 'selective', 'full')
+    """
+    if activation_checkpointing is not None and not isinstance(activation_checkpointing, bool):
+        raise PlanError(f"activation_checkpointing={activation_checkpointing!r} must be True or False "
+                        f"(or use recompute='none' | 'selective' | 'full')")
+    if recompute is None:
+        return "full" if activation_checkpointing else "none"
+    if recompute not in RECOMPUTE:
+        raise PlanError(f"recompute={recompute!r} is not a recompute mode; choose one of {list(RECOMPUTE)}")
+    if activation_checkpointing is not None and activation_checkpointing != (recompute == "full"):
+        raise PlanError(f"activation_checkpointing={activation_checkpointing} contradicts recompute={recompute!r}; "
+                        f"pass only recompute=")
+    return recompute
 
 
 def _dtype_bytes(name: str, what: str) -> int:
@@ -203,15 +225,23 @@ class _Shard:
 
 
 def _shard(tensors, count: int, tp: int, t: int, S: int, j: int) -> _Shard:
+    one = _shard_one(tuple(tensors), tp, t, S, j)
+    return _Shard(one.padded * count, one.actual * count, one.local * count, one.tensors * count)
+
+
+@lru_cache(maxsize=8192)
+def _shard_one(tensors: tuple, tp: int, t: int, S: int, j: int) -> _Shard:
+    """One copy of each tensor (counts scale linearly): memoised, since a plan search asks for the
+    same layer shapes under the same (tp, shard) split thousands of times."""
     out = _Shard()
     for _name, d0, d1, tp_dim in tensors:
         l0 = _chunk(d0, tp, t) if tp_dim == 0 else d0
         l1 = _chunk(d1, tp, t) if tp_dim == 1 else d1
         c = -(-l0 // S)
-        out.padded += count * c * l1
-        out.actual += count * _chunk(l0, S, j) * l1
-        out.local += count * l0 * l1
-        out.tensors += count
+        out.padded += c * l1
+        out.actual += _chunk(l0, S, j) * l1
+        out.local += l0 * l1
+        out.tensors += 1
     return out
 
 
@@ -225,10 +255,11 @@ def _uneven(tensors, tp: int, S: int) -> tuple[bool, bool]:
 
 # ---- activations --------------------------------------------------------------------------------
 def _layer_activation_bytes(spec: ModelSpec, s: int, b: int, tp: int, act_bytes: int,
-                            sequence_parallel: bool, flash_attention: bool) -> int:
-    """Bytes one decoder layer saves for backward, for one micro-batch (Korthikanti et al. 2022)."""
+                            sequence_parallel: bool, flash_attention: bool, recompute: str = "none") -> int:
+    """Bytes one decoder layer saves for backward, for one micro-batch (Korthikanti et al. 2022).
+    Flash attention and selective recompute both drop the attention core's s^2 terms."""
     h, a = spec.hidden_size, spec.num_attention_heads
-    scores = 0 if flash_attention else 5 * a * s * s * b
+    scores = 0 if flash_attention or recompute == "selective" else 5 * a * s * s * b
     if sequence_parallel or tp == 1:
         n = (34 * s * b * h + scores) // tp
     else:
@@ -254,11 +285,16 @@ def _in_flight(plan: ParallelPlan, pp_rank: int) -> int:
 # ---- the estimate ---------------------------------------------------------------------------------
 def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micro_batch: int = 1,
                     precision: str = "bf16-mixed", optimizer: str = "adamw",
-                    activation_checkpointing: bool = False, roles: tuple[str, ...] | list[str] = ("actor",),
+                    recompute: str | None = None, activation_checkpointing: bool | None = None,
+                    roles: tuple[str, ...] | list[str] = ("actor",),
                     rollout: Any = None, device_memory: Any = None, sequence_parallel: bool = False,
-                    flash_attention: bool = False, vocab_parallel: bool = True,
-                    gathered_logits: bool = False, logits_copies: int = 2) -> pd.DataFrame:
+                    flash_attention: bool = True, vocab_parallel: bool = True,
+                    gathered_logits: bool = False, logits_copies: int = 2, _peak_only: bool = False) -> pd.DataFrame:
     """Bytes each rank of ``plan`` holds to train ``model``: one row per rank.
+
+    **Defaults describe a GPU training stack**: bf16-mixed AdamW, SDPA/flash attention (no s^2
+    attention scores kept), no recompute, no sequence parallelism. ``rlkit.parallel`` on CPU builds
+    HF models with eager attention: pass ``flash_attention=False`` to compare with it.
 
     Columns (ints, bytes unless said): ``rank, dp, tp, pp, layers`` (decoder layers on the rank),
     ``param_tensors`` (parameter tensors of the trained roles), ``weights, grads, optimizer,
@@ -314,8 +350,10 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     (scaled by compute bytes / 2), s = seq_len, b = micro_batch, h = hidden, a = heads, t = tp:
     no TP ``sbh(34 + 5as/h)``; TP ``sbh(10 + 24/t + 5as/(ht))``; TP + sequence parallel
     ``sbh(34/t + 5as/(ht))``. ``flash_attention=True`` drops the ``5as/h`` attention-score term
-    (same saving as the paper's selective recomputation). ``activation_checkpointing=True`` (full
-    recomputation) keeps only each layer's input, ``2sbh`` (``/t`` with SP), plus one layer's full
+    (same saving as the paper's selective recomputation). ``recompute="selective"`` (Korthikanti
+    Sec. 5: recompute only the attention core, QK^T, softmax, dropout, attention over V) drops the
+    same term: ``34sbh/t`` with SP. ``recompute="full"`` (``activation_checkpointing=True`` is its
+    alias) keeps only each layer's input, ``2sbh`` (``/t`` with SP), plus one layer's full
     activations during its recomputation. The 34 is the paper's GPT accounting (4h MLP, dropout
     masks); for gated-MLP models it is an approximation.
 
@@ -356,6 +394,7 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     :func:`compare_memory`.
     """
     spec, s, b = _check_common(plan, model, seq_len, micro_batch, precision)
+    recompute = recompute_mode(recompute, activation_checkpointing)
     _pos_int("logits_copies", logits_copies)
     if optimizer not in OPTIMIZERS:
         raise PlanError(f"optimizer={optimizer!r} is unknown; choose one of {list(OPTIMIZERS)}")
@@ -382,7 +421,8 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     layers_per_rank = [0] * pp
     for st, rng in enumerate(plan.stage_layers(spec.num_layers)):
         layers_per_rank[st % pp] += len(rng)
-    per_layer_act = _layer_activation_bytes(spec, s, b, tp, prec["compute"], sequence_parallel, flash_attention)
+    per_layer_act = _layer_activation_bytes(spec, s, b, tp, prec["compute"], sequence_parallel, flash_attention,
+                                            recompute)
     ckpt_layer = 2 * s * b * spec.hidden_size * prec["compute"] // 2 // (tp if sequence_parallel else 1)
 
     def role_bytes(role: str, p: int, t: int, j: int) -> dict[str, int]:
@@ -418,7 +458,7 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
             else:
                 out["param_buffers"] = (root.local + min(2, L) * one_layer.local) * cb + grad_buf + accum
             chunks = _in_flight(plan, p)
-            if activation_checkpointing:
+            if recompute == "full":
                 out["activations"] = chunks * L * ckpt_layer // plan.vpp + (per_layer_act if L else 0)
             else:
                 out["activations"] = chunks * L * per_layer_act // plan.vpp
@@ -470,6 +510,17 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
         cache[key] = row
         return row
 
+    if _peak_only:
+        # every byte count is largest at tp index 0 and shard index 0 (torch.chunk's full pieces); over
+        # pipeline ranks it grows with the layers held and falls with the rank (fewer micro-batches in
+        # flight), the ends add embedding / lm_head / logits: so the first rank of each layer count and
+        # the two ends are the only candidates
+        first_of: dict[int, int] = {}
+        for p, n in enumerate(layers_per_rank):
+            first_of.setdefault(n, p)
+        stage = max(sorted({0, pp - 1, *first_of.values()}), key=lambda p: rank_bytes(p, 0, 0, 0)["total"])
+        peak = rank_bytes(stage, 0, 0, 0)["total"]
+        return {"peak": peak, "stage": stage, "fits": None if mem is None else peak <= mem}
     stride = _strides(plan)
     rows = []
     for rank in range(plan.world_size):
@@ -485,11 +536,25 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
         df["fits"] = df["total"] <= mem
         df.attrs["device_memory"] = mem
     df.attrs.update(model=spec.name, plan=plan.describe(), seq_len=s, micro_batch=b, precision=precision,
-                    optimizer=optimizer, roles=roles, activation_checkpointing=activation_checkpointing,
+                    optimizer=optimizer, roles=roles, recompute=recompute,
+                    activation_checkpointing=recompute == "full",
                     rollout=ro, sequence_parallel=sequence_parallel, flash_attention=flash_attention,
                     vocab_parallel=vocab_parallel, gathered_logits=gathered_logits,
                     logits_copies=logits_copies)
     return df
+
+
+def peak_memory(plan: ParallelPlan, model: Any, **kw: Any) -> dict[str, Any]:
+    """The largest ``total`` over ranks of :func:`estimate_memory` (same arguments), without building
+    a row per rank: ``{"peak": bytes, "stage": the pipeline rank that holds it, "fits": bool or None}``.
+    A plan search calls this for thousands of plans of up to 16k ranks.
+
+    >>> from rlkit.plan import ParallelPlan
+    >>> plan = ParallelPlan(dp=4, tp=8, pp=16)
+    >>> peak_memory(plan, "llama-3-70b")["peak"] == int(estimate_memory(plan, "llama-3-70b")["total"].max())
+    True
+    """
+    return estimate_memory(plan, model, _peak_only=True, **kw)  # type: ignore[return-value]
 
 
 def _strides(plan: ParallelPlan) -> dict[str, int]:
@@ -512,7 +577,7 @@ _ADVICE = {
     "grads": "shard grads (dp_shard='shard_grad_op' or 'full_shard') or raise tp/pp",
     "optimizer": "shard optimizer state (dp_shard='full_shard' over more ranks) or raise tp/pp",
     "param_buffers": "use dp_shard='full_shard' instead of keeping unsharded copies",
-    "activations": "turn on activation_checkpointing, lower micro_batch/seq_len, or raise tp (with sequence_parallel)",
+    "activations": "recompute activations (recompute='selective' or 'full'), lower micro_batch/seq_len, or raise tp (with sequence_parallel)",
     "logits": "lower micro_batch or seq_len, or raise tp (vocab-parallel logits)",
     "kv_cache": "lower the rollout's max_tokens or gpu_memory_utilization",
     "rollout_weights": "raise the rollout tp or use rollout sleep=True",

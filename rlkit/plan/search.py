@@ -62,12 +62,34 @@ def _micro_batch_options(n_mb: int, pp: int, vpp: int) -> list[int]:
     return sorted(set(out))
 
 
+def _variants(recompute: Any, activation_checkpointing: bool | None, sequence_parallel: bool | None,
+              tp: int) -> list[tuple[str, bool]]:
+    """(recompute, sequence_parallel) settings to try for a layout, fastest first: recompute only
+    adds FLOPs, and SP costs the same TP bytes as plain TP while holding less (so SP comes first)."""
+    from rlkit.plan.memory import RECOMPUTE, recompute_mode
+
+    if recompute is None and activation_checkpointing is None:
+        modes = list(RECOMPUTE)
+    elif isinstance(recompute, (list, tuple)):
+        modes = [recompute_mode(r) for r in recompute]
+        if not modes:
+            raise PlanError(f"recompute={recompute!r} names no mode; choose from {list(RECOMPUTE)}")
+    else:
+        modes = [recompute_mode(recompute, activation_checkpointing)]
+    modes = [m for m in RECOMPUTE if m in modes]
+    sps = [True, False] if sequence_parallel is None else [bool(sequence_parallel)]
+    if tp == 1:
+        sps = [False]  # no TP, nothing to split the sequence over
+    return [(m, sp) for m in modes for sp in sps]
+
+
 def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any = "80GB", *, seq_len: int = 4096,
                  global_batch: int | None = None, micro_batch: int = 1, precision: str = "bf16-mixed",
                  optimizer: str = "adamw", shardings: tuple[str, ...] | None = None, include_vpp: bool = True,
-                 activation_checkpointing: bool = False, gpu: str | dict = "H100", network: str = "nvlink+ib",
-                 mfu: float = 0.4, roles: tuple[str, ...] = ("actor",), flash_attention: bool = True,
-                 sequence_parallel: bool = False) -> pd.DataFrame:
+                 recompute: str | tuple[str, ...] | None = None, activation_checkpointing: bool | None = None,
+                 sequence_parallel: bool | None = None, variants: str = "best", gpu: str | dict = "H100",
+                 network: str = "nvlink+ib", mfu: float | None = None, roles: tuple[str, ...] = ("actor",),
+                 flash_attention: bool = True) -> pd.DataFrame:
     """Every DP x TP x PP plan of ``model`` on ``gpus`` GPUs, ranked best first.
 
     Args:
@@ -77,21 +99,31 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
         global_batch: sequences per step, the same for every plan so they compare at equal work
             (default 4 x gpus x micro_batch).
         shardings: dp_shard modes to try (default all of ``SHARDING``).
-        include_vpp: also try interleaved 1F1B with 2 and 4 virtual stages (when layers split evenly).
-        gpu, network, mfu: for the throughput estimate (``rlkit.plan.throughput``).
-        flash_attention, sequence_parallel, activation_checkpointing, precision, optimizer, roles: for
-            the memory estimate (``rlkit.plan.memory.estimate_memory``); flash attention is on by default
-            since GPU training stacks use it (no s^2 attention scores kept).
+        include_vpp: also try interleaved 1F1B with 2 and 4 virtual stages (when every stage gets a layer).
+        recompute: the activation-recompute modes to try: None (all of "none", "selective", "full"),
+            one mode, or a tuple of them; ``activation_checkpointing=True`` is ``recompute="full"``.
+        sequence_parallel: None (try with and without where tp > 1), True or False.
+        variants: "best" keeps, for each layout and micro-batch count, the fastest (recompute,
+            sequence_parallel) setting that fits (or, when none fits, the one needing least memory):
+            the others are slower at no saving that matters. "all" keeps a row for every setting.
+        gpu, network, mfu: for the throughput estimate (``rlkit.plan.throughput``; ``mfu=None`` is
+            the calibrated kernel efficiency).
+        flash_attention, precision, optimizer, roles: for the memory estimate
+            (``rlkit.plan.memory.estimate_memory``). The defaults are those of every cost model here:
+            a GPU training stack (bf16-mixed AdamW, flash/SDPA attention).
 
     Returns one row per candidate: ``dp, tp, pp, vpp, dp_shard, dp_shard_size, micro_batches,
-    schedule, valid, memory_gib`` (max over ranks), ``fits, tokens_per_s, tokens_per_s_per_gpu,
-    step_s, bubble, achieved_mfu, tp_spans_nodes, why_not`` (empty when usable) and ``plan`` (the
-    ParallelPlan). Usable plans come first, fastest first; then plans that do not fit, smallest
-    first; then invalid ones.
+    schedule, recompute, sequence_parallel, valid, memory_gib`` (max over ranks), ``fits,
+    tokens_per_s, tokens_per_s_per_gpu, step_s, bubble, achieved_mfu, tp_spans_nodes, why_not``
+    (empty when usable) and ``plan`` (the ParallelPlan). Usable plans come first, fastest first;
+    then plans that do not fit, smallest first; then invalid ones.
+
+    Fast at scale: memory is computed per pipeline rank, not per GPU (``peak_memory``), and shared by
+    plans that differ only in micro-batches beyond 2 pp; communication without DataFrames.
     """
     import pandas as pd
 
-    from rlkit.plan.memory import estimate_memory, parse_bytes
+    from rlkit.plan.memory import parse_bytes, peak_memory
     from rlkit.plan.spec import as_spec
     from rlkit.plan.throughput import estimate_throughput, gpu_info, network_info
     from rlkit.plan.topology import SHARDING, ParallelPlan
@@ -100,8 +132,11 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
     for name, value in (("gpus", gpus), ("gpus_per_node", gpus_per_node), ("micro_batch", micro_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanError(f"{name}={value!r} must be a positive integer")
+    if variants not in ("best", "all"):
+        raise PlanError(f"variants={variants!r} must be 'best' (one setting per layout) or 'all'")
     mem = parse_bytes(gpu_memory)
     gpu_info(gpu), network_info(network)  # fail early on a bad preset name
+    _variants(recompute, activation_checkpointing, sequence_parallel, 2)  # and on a bad mode
     wanted = tuple(shardings) if shardings is not None else tuple(SHARDING)
     bad = [s for s in wanted if s not in SHARDING]
     if bad:
@@ -111,12 +146,15 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
     per_node = min(gpus_per_node, gpus)
 
     rows: list[dict] = []
-    memory_cache: dict[tuple, tuple[int, bool]] = {}
+    memory_cache: dict[tuple, int] = {}
     spans_cache: dict[tuple[int, int, int], bool] = {}
+    mem_kw = dict(seq_len=seq_len, micro_batch=micro_batch, precision=precision, optimizer=optimizer, roles=roles,
+                  flash_attention=flash_attention)
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
-            vpps = [1] + ([v for v in (2, 4) if spec.num_layers % (pp * v) == 0] if include_vpp and pp > 1 else [])
+            # uneven stages are allowed (the ends get fewer layers, as Llama 3 405B's pipeline did)
+            vpps = [1] + ([v for v in (2, 4) if spec.num_layers >= pp * v] if include_vpp and pp > 1 else [])
             for vpp in vpps:
                 n_mb, rest = divmod(global_batch, dp * micro_batch)
                 base = dict(dp=dp, tp=tp, pp=pp, vpp=vpp)
@@ -134,37 +172,44 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
                 except PlanError as e:
                     rows.append({**base, "why_not": str(e)})
                     continue
+                settings = _variants(recompute, activation_checkpointing, sequence_parallel, tp)
                 for shard, size in _shardings(dp, tp, per_node, wanted):
                     for m in options:
-                        row = {**base, "dp_shard": shard, "dp_shard_size": size, "micro_batches": m}
-                        rows.append(row)
                         plan = ParallelPlan(dp=dp, tp=tp, pp=pp, vpp=vpp, dp_shard=shard, dp_shard_size=size,
                                             micro_batches=m if pp > 1 else None, devices_per_node=per_node)
                         if (dp, tp, pp) not in spans_cache:  # depends on the degrees only
                             spans_cache[(dp, tp, pp)] = bool(plan.placement_warnings(per_node))
-                        row.update(plan=plan, schedule=plan.pipeline_schedule if pp > 1 else "none",
-                                   tp_spans_nodes=spans_cache[(dp, tp, pp)])
-                        # activations in flight stop growing once m >= 2 pp (1F1B / interleaved)
-                        key = (dp, tp, pp, vpp, shard, size, min(m, 2 * pp))
-                        if key not in memory_cache:
-                            mdf = estimate_memory(plan, spec, seq_len=seq_len, micro_batch=micro_batch,
-                                                  precision=precision, optimizer=optimizer, roles=roles,
-                                                  activation_checkpointing=activation_checkpointing,
-                                                  flash_attention=flash_attention,
-                                                  sequence_parallel=sequence_parallel, device_memory=mem)
-                            memory_cache[key] = (int(mdf["total"].max()), bool(mdf["fits"].all()))
-                        peak, fits = memory_cache[key]
-                        est = estimate_throughput(plan, spec, seq_len=seq_len, global_batch=global_batch,
-                                                  micro_batch=micro_batch, gpu=gpu, mfu=mfu, network=network,
-                                                  devices_per_node=per_node, precision=precision,
-                                                  activation_checkpointing=activation_checkpointing)
-                        row.update(memory_gib=peak / GIB, fits=fits,
+                        row0 = {**base, "dp_shard": shard, "dp_shard_size": size, "micro_batches": m, "plan": plan,
+                                "schedule": plan.pipeline_schedule if pp > 1 else "none",
+                                "tp_spans_nodes": spans_cache[(dp, tp, pp)]}
+                        sized = []
+                        for rc, sp in settings:
+                            # activations in flight stop growing once m >= 2 pp (1F1B / interleaved)
+                            key = (dp, tp, pp, vpp, shard, size, min(m, 2 * pp), rc, sp)
+                            if key not in memory_cache:
+                                memory_cache[key] = peak_memory(plan, spec, recompute=rc, sequence_parallel=sp,
+                                                                **mem_kw)["peak"]
+                            sized.append((rc, sp, memory_cache[key]))
+                            if variants == "best" and memory_cache[key] <= mem:
+                                break  # the fastest setting that fits: the rest are slower
+                        if variants == "best":
+                            fitting = [v for v in sized if v[2] <= mem]
+                            sized = fitting[:1] or [min(sized, key=lambda v: v[2])]
+                        for rc, sp, peak in sized:
+                            est = estimate_throughput(plan, spec, seq_len=seq_len, global_batch=global_batch,
+                                                      micro_batch=micro_batch, gpu=gpu, mfu=mfu, network=network,
+                                                      devices_per_node=per_node, precision=precision,
+                                                      recompute=rc, sequence_parallel=sp)
+                            row = {**row0, "recompute": rc, "sequence_parallel": sp, "memory_gib": peak / GIB,
+                                   "fits": peak <= mem,
                                    **{k: est[k] for k in ("tokens_per_s", "tokens_per_s_per_gpu", "step_s",
-                                                          "bubble", "achieved_mfu")})
-                        if not fits:
-                            row["why_not"] = f"needs {peak / GIB:.1f} GiB per GPU > {mem / GIB:.1f} GiB"
+                                                          "bubble", "achieved_mfu")}}
+                            if peak > mem:
+                                row["why_not"] = f"needs {peak / GIB:.1f} GiB per GPU > {mem / GIB:.1f} GiB"
+                            rows.append(row)
     df = pd.DataFrame(rows)
-    columns = ["dp", "tp", "pp", "vpp", "dp_shard", "dp_shard_size", "micro_batches", "schedule", "valid",
+    columns = ["dp", "tp", "pp", "vpp", "dp_shard", "dp_shard_size", "micro_batches", "schedule", "recompute",
+               "sequence_parallel", "valid",
                "memory_gib", "fits", "tokens_per_s", "tokens_per_s_per_gpu", "step_s", "bubble", "achieved_mfu",
                "tp_spans_nodes", "why_not", "plan"]
     for c in columns:
@@ -181,7 +226,8 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
     df = df.sort_values(["_group", "_speed", "memory_gib"], kind="stable")
     df = df.drop(columns=["_group", "_speed"])[columns].reset_index(drop=True)
     df.attrs.update(model=spec.name, gpus=gpus, gpus_per_node=gpus_per_node, gpu_memory=mem, seq_len=seq_len,
-                    global_batch=global_batch, micro_batch=micro_batch, gpu=gpu, network=network)
+                    global_batch=global_batch, micro_batch=micro_batch, gpu=gpu, network=network,
+                    variants=variants)
     return df
 
 

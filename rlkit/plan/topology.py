@@ -176,12 +176,13 @@ class ParallelPlan:
     def groups(self, dim: str) -> list[list[int]]:
         """The process groups along ``dim``: each list holds the ranks that differ only in ``dim``."""
         self._check_dim(dim)
-        seen: dict[tuple, list[int]] = {}
-        for r in range(self.world_size):
-            c = self.coords(r)
-            key = tuple(c[d] for d in DIMS if d != dim)
-            seen.setdefault(key, []).append(r)
-        return sorted(seen.values())
+        stride = 1
+        for d in self._order[:self._order.index(dim)]:
+            stride *= self.size(d)
+        n = self.size(dim)
+        # a group starts at every rank whose ``dim`` coordinate is 0; members step by the dim's stride
+        return [list(range(base, base + n * stride, stride))
+                for base in range(self.world_size) if (base // stride) % n == 0]
 
     def group_of(self, rank: int, dim: str) -> list[int]:
         """The ranks in ``rank``'s group along ``dim``."""
