@@ -225,6 +225,9 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
     df["_speed"] = -df["tokens_per_s"].astype(float).fillna(0)
     df = df.sort_values(["_group", "_speed", "memory_gib"], kind="stable")
     df = df.drop(columns=["_group", "_speed"])[columns].reset_index(drop=True)
+    df.attrs.update(searched_all_recompute="full" in [m for m, _ in _variants(recompute, activation_checkpointing,
+                                                                            sequence_parallel, 2)],
+                    flash_attention=flash_attention, precision=precision, optimizer=optimizer, roles=roles)
     df.attrs.update(model=spec.name, gpus=gpus, gpus_per_node=gpus_per_node, gpu_memory=mem, seq_len=seq_len,
                     global_batch=global_batch, micro_batch=micro_batch, gpu=gpu, network=network,
                     variants=variants)
@@ -325,8 +328,8 @@ def _no_fit_error(spec: Any, df: pd.DataFrame, gpus: int, per_bytes: int, precis
         f"no plan of {spec.name} ({spec.num_params / 1e9:.1f}B params) fits on {gpus} GPUs with "
         f"{per_bytes / GIB:.1f} GiB each: {best}. Its training state alone is {state / GIB:.0f} GiB "
         f"({_state_bytes_per_param(precision, optimizer)} bytes/param with {precision} {optimizer}), so at least "
-        f"{need} GPUs before activations; add GPUs, use larger-memory GPUs, set activation_checkpointing=True, "
-        f"or lower seq_len / micro_batch")
+        f"{need} GPUs before activations; add GPUs, use larger-memory GPUs, or lower seq_len / micro_batch"
+        + ("" if df.attrs.get("searched_all_recompute") else ", or let the search try recompute='full'"))
 
 
 def recommend(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any = "80GB",
@@ -444,14 +447,36 @@ def _why_shape(spec: Any, df: pd.DataFrame, pick: Any, plan: Any, gib: float, ne
                        f"between nodes here). {plan.pipeline_schedule} with {plan.n_micro_batches} micro-batches"
                        + (f" and {plan.vpp} virtual stages" if plan.vpp > 1 else "")
                        + f" leaves a {pick['bubble']:.1%} bubble.")
+    if pick.get("recompute", "none") != "none" or pick.get("sequence_parallel"):
+        from rlkit.plan.memory import peak_memory
+
+        bare = peak_memory(plan, spec, seq_len=df.attrs["seq_len"], micro_batch=df.attrs["micro_batch"],
+                           precision=precision, optimizer=optimizer, roles=df.attrs.get("roles", ("actor",)),
+                           flash_attention=df.attrs.get("flash_attention", True))["peak"] / GIB
+        what = []
+        if pick["sequence_parallel"]:
+            what.append("sequence parallelism (norm and dropout activations split over TP, same TP bytes)")
+        if pick["recompute"] != "none":
+            what.append(f"recompute='{pick['recompute']}' ("
+                        + ("the attention core is recomputed in backward, a few % more FLOPs" if pick["recompute"]
+                           == "selective" else "each layer's forward runs again in backward, 1/3 more FLOPs") + ")")
+        out.append(f"Activations: {' and '.join(what)}; without either this layout needs {bare:.1f} GiB per GPU"
+                   + (f", over the {gib:.1f} GiB." if bare > gib else "."))
     if plan.dp > 1:
-        same = df[df["valid"] & (df["dp"] == plan.dp) & (df["tp"] == plan.tp) & (df["pp"] == plan.pp)
-                  & (df["vpp"] == plan.vpp) & (df["micro_batches"] == pick["micro_batches"])]
-        rep = same[same["dp_shard"] == "replicate"]
         rep_txt = ""
-        if len(rep):
-            rep_txt = f"; replicated (DDP) it would take {rep.iloc[0]['memory_gib']:.1f} GiB per GPU"
-            rep_txt += "" if rep.iloc[0]["fits"] else f", over the {gib:.1f} GiB"
+        if plan.dp_shard != "replicate":  # the same layout and settings, replicated
+            from dataclasses import replace
+
+            from rlkit.plan.memory import peak_memory
+
+            rep = peak_memory(replace(plan, dp_shard="replicate", dp_shard_size=None), spec,
+                              seq_len=df.attrs["seq_len"], micro_batch=df.attrs["micro_batch"], precision=precision,
+                              optimizer=optimizer, roles=df.attrs.get("roles", ("actor",)),
+                              flash_attention=df.attrs.get("flash_attention", True),
+                              recompute=pick.get("recompute", "none"),
+                              sequence_parallel=bool(pick.get("sequence_parallel", False)))["peak"] / GIB
+            rep_txt = f"; replicated (DDP) it would take {rep:.1f} GiB per GPU"
+            rep_txt += "" if rep <= gib else f", over the {gib:.1f} GiB"
         if plan.dp_shard != "replicate":
             zero = "ZeRO-2" if plan.dp_shard == "shard_grad_op" else "ZeRO-3/FSDP"
             out.append(f"DP={plan.dp} with {plan.dp_shard} ({zero}): the training state is {state_gib:.1f} GiB "
