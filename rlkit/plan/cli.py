@@ -102,7 +102,7 @@ def report(plan: ParallelPlan, model: Any = None, *, seq_len: int = 4096, micro_
 
 
 def _groups_lines(plan: ParallelPlan, first: int = 4) -> list[str]:
-    from rlkit.widgets.plan_view import _short_list
+    from rlkit.plan.topology import _short_list
 
     lines = []
     for dim in ("tp", "pp", "dp"):
@@ -130,7 +130,7 @@ def _memory_text(plan: ParallelPlan, model: Any, seq_len: int, micro_batch: int,
     if importlib.util.find_spec("rlkit.plan.memory") is None:
         return "Memory per rank: (rlkit.plan.memory is not available in this version)"
     from rlkit.plan import memory
-    from rlkit.widgets.plan_view import collapse_ranks
+    from rlkit.plan.memory import collapse_ranks
 
     df = memory.estimate_memory(plan, model, seq_len=seq_len, micro_batch=micro_batch, device_memory=gpu_memory,
                                 **memory_kw)

@@ -584,6 +584,26 @@ _ADVICE = {
 }
 
 
+def collapse_ranks(df: pd.DataFrame) -> pd.DataFrame:
+    """Group ranks whose memory columns are identical: one row per distinct rank kind with ``ranks``
+    (e.g. '0-7,16-23') and ``count``. A 512-rank plan usually has only ~pp distinct kinds.
+    """
+    from rlkit.plan.topology import _ranges_str
+
+    cols = [c for c in COMPONENTS if c in df.columns] + ["total"]
+    ranks = df["rank"] if "rank" in df.columns else df.index.to_series()
+    keyed = df[cols].copy()
+    keyed["_rank"] = ranks.to_numpy()
+    if "fits" in df.columns:
+        keyed["fits"] = df["fits"].to_numpy()
+    by = cols + (["fits"] if "fits" in df.columns else [])
+    out = (keyed.groupby(by, sort=False, dropna=False)["_rank"]
+           .agg(lambda s: _ranges_str(sorted(int(x) for x in s))).rename("ranks").reset_index())
+    out["count"] = keyed.groupby(by, sort=False, dropna=False)["_rank"].size().to_numpy()
+    out.attrs.update(df.attrs)
+    return out
+
+
 def explain_fit(df: pd.DataFrame) -> str:
     """One paragraph: which rank is largest, whether it fits ``df.attrs['device_memory']``, and
     which component dominates (with a hint what to change) when it does not."""

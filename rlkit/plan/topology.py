@@ -32,6 +32,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _short_list(xs: list[int], keep: int = 8) -> str:
+    """[0, 32, 64, ..., 480] for long groups, so tooltips stay a few lines."""
+    if len(xs) <= keep:
+        return str(xs)
+    return "[" + ", ".join(map(str, xs[: keep - 2])) + ", …, " + ", ".join(map(str, xs[-2:])) + "]"
+
+
 def _check_degree(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         fix = {"dp": "use dp=1 for no data parallelism", "tp": "use tp=1 for no tensor parallelism",

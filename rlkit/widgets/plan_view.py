@@ -27,7 +27,8 @@ from ipywidgets.widgets.widget_string import HTMLStyle
 
 from rlkit.errors import PlanError
 from rlkit.plan.memory import COMPONENTS as MEMORY_COLUMNS  # byte columns, stacked in this order
-from rlkit.plan.topology import DIMS, SCHEDULES, _ranges_str
+from rlkit.plan.memory import collapse_ranks  # noqa: F401  (part of this module's API)
+from rlkit.plan.topology import DIMS, SCHEDULES, _ranges_str, _short_list
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -143,13 +144,6 @@ def _grid_columns(per: int) -> int:
     if per <= MAX_COLUMNS:
         return per
     return max((d for d in range(8, MAX_COLUMNS + 1) if per % d == 0), default=MAX_COLUMNS)
-
-
-def _short_list(xs: list[int], keep: int = 8) -> str:
-    """[0, 32, 64, ..., 480] for long groups, so tooltips stay a few lines."""
-    if len(xs) <= keep:
-        return str(xs)
-    return "[" + ", ".join(map(str, xs[: keep - 2])) + ", …, " + ", ".join(map(str, xs[-2:])) + "]"
 
 
 def _check_view_dim(dim: str) -> None:
@@ -322,24 +316,6 @@ def _new_axes(ax: Any, size: tuple[float, float]) -> tuple[Figure, Any]:
 
 
 # ---- memory per device -----------------------------------------------------------------------------
-def collapse_ranks(df: pd.DataFrame) -> pd.DataFrame:
-    """Group ranks whose memory columns are identical: one row per distinct rank kind with ``ranks``
-    (e.g. '0-7,16-23') and ``count``. A 512-rank plan usually has only ~pp distinct kinds.
-    """
-    cols = [c for c in MEMORY_COLUMNS if c in df.columns] + ["total"]
-    ranks = df["rank"] if "rank" in df.columns else df.index.to_series()
-    keyed = df[cols].copy()
-    keyed["_rank"] = ranks.to_numpy()
-    if "fits" in df.columns:
-        keyed["fits"] = df["fits"].to_numpy()
-    by = cols + (["fits"] if "fits" in df.columns else [])
-    out = (keyed.groupby(by, sort=False, dropna=False)["_rank"]
-           .agg(lambda s: _ranges_str(sorted(int(x) for x in s))).rename("ranks").reset_index())
-    out["count"] = keyed.groupby(by, sort=False, dropna=False)["_rank"].size().to_numpy()
-    out.attrs.update(df.attrs)
-    return out
-
-
 def memory_figure(df: pd.DataFrame, *, max_bars: int = 32, ax: Any = None, title: str | None = None) -> Figure:
     """Stacked bars of memory per rank in GiB (weights, grads, optimizer, activations, ...), with the
     device memory as a dashed line when ``df.attrs["device_memory"]`` is set. Plans with more than
