@@ -296,6 +296,9 @@ PLAN_FLAG_BAD = {
     "micro_batch": [("0", "micro_batch=0 must be a positive integer")],
     "gpu_memory": [("lots", "cannot read a memory size from 'lots'; use bytes or a string like '80GB'")],
     "max_rows": [("0", "max_rows=0 must be a positive integer")],
+    "recompute": [("some", "argument --recompute: invalid choice: 'some'")],
+    "sequence_parallel": [("yes", "unrecognized arguments: yes")],   # a switch takes no value
+    "eager_attention": [("yes", "unrecognized arguments: yes")],
 }
 
 
