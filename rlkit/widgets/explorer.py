@@ -321,6 +321,7 @@ class PlanExplorer(W.VBox):
             plan = ParallelPlan(dp=k["dp"], tp=k["tp"], pp=k["pp"], vpp=k["vpp"], dp_shard=k["dp_shard"],
                                 dp_shard_size=k["dp_shard_size"] if k["dp_shard"] == "hybrid_shard" else None,
                                 micro_batches=k["micro_batches"], devices_per_node=self.devices_per_node)
+            plan.validate(model=as_spec(model))  # the model's rules first: they name the fix for tp, pp
             if self.gpus is not None and plan.world_size != self.gpus:
                 raise PlanError(f"dp*tp*pp={plan.dp}*{plan.tp}*{plan.pp}={plan.world_size} but gpus={self.gpus}: "
                                 f"change dp, tp or pp so their product is {self.gpus}")
@@ -457,15 +458,22 @@ def pareto_figure(df: pd.DataFrame, *, ax: Any = None, title: str | None = None)
             if "dp_shard" in front.columns:
                 text += f" {best['dp_shard']}"
             ax.annotate(text, (best["memory_gib"], best["tokens_per_s"]), textcoords="offset points",
-                        xytext=(6, -12), fontsize=8)
+                        xytext=(-6, 6), ha="right", fontsize=8)
     mem = df.attrs.get("gpu_memory")
     if mem:
         ax.axvline(mem / GIB, color="crimson", ls="--", lw=1.1, label=f"GPU memory {mem / GIB:.1f} GiB")
-    ax.set_xlabel("memory per GPU (GiB, max over ranks)")
+    xlabel = "memory per GPU (GiB, max over ranks)"
+    if mem and len(ok):  # plans far past the GPU's memory would squeeze the interesting part to the left
+        right = 2 * mem / GIB
+        beyond = int((ok["memory_gib"].astype(float) > right).sum())
+        if beyond:
+            ax.set_xlim(0, right)
+            xlabel += f"; {beyond} plans above {right:.0f} GiB not shown"
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("estimated tokens/s")
     ax.set_title(title or f"{df.attrs.get('model', 'plans')} on {df.attrs.get('gpus', '?')} GPUs: "
                           f"memory vs speed")
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=8, loc="lower right")
     return fig
 
 
