@@ -182,7 +182,7 @@ class PlanExplorer(W.VBox):
 
         def slider(name: str, value: int, hi: int) -> W.IntSlider:
             return W.IntSlider(value=value, min=1, max=max(hi, value), description=name, continuous_update=False,
-                               style={"description_width": "initial"}, layout=W.Layout(width="230px"))
+                               style={"description_width": "initial"}, layout=W.Layout(width="210px"))
 
         def dropdown(name: str, options: list, value: Any, width: str = "210px") -> W.Dropdown:
             return W.Dropdown(options=options, value=value, description=name, layout=W.Layout(width=width),
@@ -192,22 +192,22 @@ class PlanExplorer(W.VBox):
         pp0 = int(start["pp"])
         mb0 = start["micro_batches"] if start["micro_batches"] is not None else pp0
         self.controls: dict[str, Any] = {
-            "model": dropdown("model", list(self._models), self._model_label, "260px"),
-            "gpu": dropdown("GPU", list(GPUS), start["gpu"]),
+            "model": dropdown("model", list(self._models), self._model_label, "240px"),
+            "gpu": dropdown("GPU", list(GPUS), start["gpu"], "170px"),
             "seq_len": W.SelectionSlider(options=seq_lens, value=int(start["seq_len"]), description="seq_len",
                                          continuous_update=False, style={"description_width": "initial"},
-                                         layout=W.Layout(width="260px")),
+                                         layout=W.Layout(width="250px")),
             "micro_batch": slider("micro_batch", int(start["micro_batch"]), 16),
             "dp": slider("dp", int(start["dp"]), 128),
             "tp": slider("tp", int(start["tp"]), 16),
             "pp": slider("pp", pp0, 32),
             "vpp": slider("vpp", int(start["vpp"]), 8),
             "micro_batches": slider("micro_batches", int(mb0), 128),
-            "dp_shard": dropdown("dp_shard", list(SHARDING), start["dp_shard"], "230px"),
-            "dp_shard_size": dropdown("shard group", [1], 1, "150px"),
-            "recompute": dropdown("recompute", list(RECOMPUTE), start["recompute"], "190px"),
+            "dp_shard": dropdown("dp_shard", list(SHARDING), start["dp_shard"], "220px"),
+            "dp_shard_size": dropdown("shard group", [1], 1, "140px"),
+            "recompute": dropdown("recompute", list(RECOMPUTE), start["recompute"], "170px"),
             "sequence_parallel": W.Checkbox(value=bool(start["sequence_parallel"]), description="sequence parallel",
-                                            indent=False, layout=W.Layout(width="160px")),
+                                            indent=False, layout=W.Layout(width="150px")),
         }
         for v in ("gpu", "dp_shard", "recompute"):
             self._check_choice(v, start[v])
@@ -224,8 +224,9 @@ class PlanExplorer(W.VBox):
         c = self.controls
         wrap = W.Layout(flex_flow="row wrap", align_items="center")
         rows = [W.HBox([c["model"], c["gpu"], c["seq_len"], c["micro_batch"]], layout=wrap),
-                W.HBox([c["dp"], c["tp"], c["pp"], c["vpp"], c["micro_batches"]], layout=wrap),
-                W.HBox([c["dp_shard"], c["dp_shard_size"], c["recompute"], c["sequence_parallel"]], layout=wrap)]
+                W.HBox([c["dp"], c["tp"], c["pp"], c["vpp"]], layout=wrap),
+                W.HBox([c["micro_batches"], c["dp_shard"], c["dp_shard_size"], c["recompute"],
+                        c["sequence_parallel"]], layout=wrap)]
         super().__init__([*rows, self.status, self.image])
         self.add_class("rlkit-plan-explorer")
         self._quiet = False
