@@ -51,8 +51,13 @@ setup-vllm: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/rlkit demo
 
+# Chromium for tests/test_browser.py (the Debian package; playwright only drives it, never `playwright install`).
+.PHONY: browser
+browser:
+	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) || echo "skip: chromium could not be installed; tests/test_browser.py will skip"
+
 # What CI runs: lint, the default suite, then the vLLM engine and trainer tests in the vLLM venv.
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) browser
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 	$(MAKE) --no-print-directory test-vllm
