@@ -458,6 +458,10 @@ def pareto_figure(df: pd.DataFrame, *, ax: Any = None, title: str | None = None)
                 text += f" vpp={best['vpp']}"
             if "dp_shard" in front.columns:
                 text += f" {best['dp_shard']}"
+            if "recompute" in front.columns and best["recompute"] not in (None, "none"):
+                text += f" recompute={best['recompute']}"
+            if "sequence_parallel" in front.columns and best["sequence_parallel"] is True:
+                text += " SP"
             ax.annotate(text, (best["memory_gib"], best["tokens_per_s"]), textcoords="offset points",
                         xytext=(-6, 6), ha="right", fontsize=8)
     mem = df.attrs.get("gpu_memory")
