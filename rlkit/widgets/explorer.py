@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets as W
 
 from rlkit.errors import PlanError
+from rlkit.plan.memory import RECOMPUTE  # the cost models' modes: one list
 from rlkit.widgets.plan_view import GIB, _new_axes, figure_html, figure_png, memory_figure
 
 if TYPE_CHECKING:
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
 
     from rlkit.plan.topology import ParallelPlan
 
-RECOMPUTE = ("none", "selective", "full")
 SEQ_LENS = [2**k for k in range(8, 18)]  # 256 .. 131072
 # The knobs ``update`` takes: each is one control of the explorer.
 KNOBS = ("model", "gpu", "seq_len", "micro_batch", "dp", "tp", "pp", "vpp", "micro_batches", "dp_shard",
