@@ -1,6 +1,7 @@
-"""Notebook 01 in a real browser: JupyterLab + headless Chromium (playwright), run all cells, and check
-what a user sees: the rank grid with one cell per rank, the memory/throughput explorer (its figure and
-its tokens/s line), and that moving one of its controls in the page redraws it through the kernel.
+"""Notebooks in a real browser: JupyterLab + headless Chromium (playwright), run all cells, and check
+what a user sees. Notebook 01: the rank grid with one cell per rank, the memory/throughput explorer (its
+figure and its tokens/s line), and that moving one of its controls in the page redraws it through the
+kernel. Notebook 02: the live training view redraws while ``fit`` runs. Tutorial 01: its rank grid.
 
 Chromium is the system package (``make browser``, i.e. ``apt-get install chromium``); playwright only
 drives it (never ``playwright install``). Skips only when no chromium binary can be found. A screenshot
@@ -25,6 +26,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "01_parallel_plan.ipynb"
+GRPO = ROOT / "notebooks" / "02_grpo.ipynb"
+TUTORIAL_DP = ROOT / "tutorials" / "01_data_parallel.ipynb"
 RANKS = 4 * 8 * 16  # the notebook's plan: ParallelPlan(dp=4, tp=8, pp=16)
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
@@ -56,8 +59,10 @@ class Lab:
 
     def __init__(self, tmp: Path) -> None:
         self.root = tmp / "root"
-        self.root.mkdir()
-        shutil.copy(NOTEBOOK, self.root / NOTEBOOK.name)
+        for nb in (NOTEBOOK, GRPO, TUTORIAL_DP):  # the same relative paths as in the repo
+            if nb.exists():
+                (self.root / nb.parent.name).mkdir(parents=True, exist_ok=True)
+                shutil.copy(nb, self.root / nb.relative_to(ROOT))
         settings = tmp / "user-settings"
         for plugin, value in (("notebook-extension/tracker", {"windowingMode": "none"}),
                               ("apputils-extension/notification", {"fetchNews": "false",
@@ -175,6 +180,96 @@ BUTTONS_PER_CELL = """(() => [...document.querySelectorAll('.jp-CodeCell')].map(
     c => c.querySelectorAll('.jp-OutputArea .widget-button').length))()"""
 
 
+def _open_and_run_all(page, lab: Lab, notebook: Path, run_timeout_s: float = 240) -> dict[str, float]:
+    """Open ``notebook`` (its repo-relative path under the lab's root), run all cells, wait (bounded) until
+    every code cell ran and the kernel is idle, and fail naming any cell that raised."""
+    t0 = time.monotonic()
+    page.goto(f"{lab.url}/lab/tree/{notebook.relative_to(ROOT).as_posix()}", wait_until="domcontentloaded",
+              timeout=120_000)
+    _wait(page, PANEL, f"JupyterLab to open {notebook.name} (window.jupyterapp with a notebook panel)", 120, lab)
+    _wait(page, KERNEL_IDLE, f"{notebook.name}'s kernel to start and go idle", 120, lab)
+    out = {"lab_open_s": time.monotonic() - t0}
+    page.evaluate(WATCH_IMAGES)
+    t = time.monotonic()
+    # the command's promise settles once the cells are queued or run; the waits below decide
+    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
+    # a first prompt turns busy, so 'all ran' below is not the state before the run
+    _wait(page, f"(() => {{ const p = {PANEL}; return p.content.widgets.some("
+                "c => c.model.type === 'code' && c.model.executionCount); })()",
+          "the first cell to run after notebook:run-all-cells", 60, lab)
+    _wait(page, ALL_RAN, f"every code cell of {notebook.name} to run and the kernel to go idle", run_timeout_s, lab)
+    out["run_all_s"] = time.monotonic() - t
+    errors = page.evaluate(ERRORS)
+    assert not errors, f"cells of {notebook.name} raised: {errors}"
+    return out
+
+
+# counts, per code cell (by the text of its input), how often an output image appeared or changed its src
+WATCH_IMAGES = """() => {
+  window.__imageDraws = new Map();
+  const bump = (img) => {
+    const cell = img.closest('.jp-CodeCell'); if (!cell) return;
+    const code = (cell.querySelector('.jp-InputArea-editor') || {}).innerText || '';
+    window.__imageDraws.set(code, (window.__imageDraws.get(code) || 0) + 1);
+  };
+  new MutationObserver(records => records.forEach(r => {
+    if (r.type === 'attributes' && r.target.tagName === 'IMG') bump(r.target);
+    r.addedNodes && r.addedNodes.forEach(n => {
+      if (n.tagName === 'IMG') bump(n); else if (n.querySelectorAll) n.querySelectorAll('img').forEach(bump);
+    });
+  })).observe(document.body, {subtree: true, childList: true, attributes: true, attributeFilter: ['src']});
+}"""
+DRAWS_OF = "(needle) => [...window.__imageDraws.entries()].filter(([code]) => code.includes(needle))" \
+           ".reduce((n, [, k]) => n + k, 0)"
+
+
+def test_notebook_02_live_view_redraws_during_fit(lab, chromium):
+    """The GRPO notebook run from the browser: no cell raises, and the live view's dashboard image in the
+    ``trainer.fit`` cell is drawn several times while the run goes (not once at the end)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            timings = _open_and_run_all(page, lab, GRPO, run_timeout_s=420)
+            draws = page.evaluate(DRAWS_OF, "trainer.fit(")
+            assert draws >= 2, f"the live view in the trainer.fit cell was drawn {draws} time(s)"
+            fit_cell = page.locator(".jp-CodeCell").filter(has_text="trainer.fit(").first
+            shot = _artifacts() / "notebook02_live_view.png"
+            fit_cell.screenshot(path=str(shot))
+        finally:
+            browser.close()
+    print(f"\nlive view drawn {draws} times during fit; screenshot: {shot}; timings:",
+          {k: round(v, 1) for k, v in timings.items()})
+
+
+def test_tutorial_01_rank_grid(lab, chromium):
+    """Tutorial 01 run from the browser: no cell raises and its rank grid shows one cell per rank."""
+    from playwright.sync_api import sync_playwright
+
+    if not TUTORIAL_DP.exists():
+        pytest.fail(f"{TUTORIAL_DP.relative_to(ROOT)} is missing")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            timings = _open_and_run_all(page, lab, TUTORIAL_DP)
+            _wait(page, f"(() => {BUTTONS_PER_CELL}.some(n => n > 0))()", "the tutorial's rank grid to render", 60, lab)
+            grids = [n for n in page.evaluate(BUTTONS_PER_CELL) if n]
+            # the grid's plan is the first ParallelPlan the tutorial displays; its cells are its ranks
+            labels = page.locator(".jp-CodeCell").filter(has=page.locator(".widget-button")).first \
+                .locator(".widget-button").all_inner_texts()
+            ranks = [int(x) for x in labels if x.strip().isdigit()]
+            assert ranks and ranks == list(range(len(ranks))), labels
+            shot = _artifacts() / "tutorial01.png"
+            page.screenshot(path=str(shot))
+        finally:
+            browser.close()
+    print(f"\ntutorial 01 grids (buttons per cell): {grids}; screenshot: {shot}; timings:",
+          {k: round(v, 1) for k, v in timings.items()})
+
+
 def test_notebook_01_in_chromium(lab, chromium):
     from playwright.sync_api import sync_playwright
 
@@ -186,21 +281,7 @@ def test_notebook_01_in_chromium(lab, chromium):
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             console: list[str] = []
             page.on("console", lambda m: console.append(f"{m.type}: {m.text}"[:300]))
-            page.goto(f"{lab.url}/lab/tree/{NOTEBOOK.name}", wait_until="domcontentloaded", timeout=120_000)
-            _wait(page, PANEL, "JupyterLab to open the notebook (window.jupyterapp with a notebook panel)", 120, lab)
-            _wait(page, KERNEL_IDLE, "the notebook's kernel to start and go idle", 120, lab)
-            timings["lab_open_s"] = time.monotonic() - t0
-            t = time.monotonic()
-            # the command's promise settles once the cells are queued or run; the waits below decide
-            page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
-            # a first prompt turns busy, so 'all ran' below is not the state before the run
-            _wait(page, f"(() => {{ const p = {PANEL}; return p.content.widgets.some("
-                        "c => c.model.type === 'code' && c.model.executionCount); })()",
-                  "the first cell to run after notebook:run-all-cells", 60, lab)
-            _wait(page, ALL_RAN, "every code cell to run and the kernel to go idle", 240, lab)
-            timings["run_all_s"] = time.monotonic() - t
-            errors = page.evaluate(ERRORS)
-            assert not errors, f"cells raised: {errors}"
+            timings.update(_open_and_run_all(page, lab, NOTEBOOK))
 
             # the rank grid: the `plan` cell and the `view = plan.show(...)` cell each draw one button per rank
             _wait(page, f"(() => {BUTTONS_PER_CELL}.filter(n => n > 0).length >= 2)()",
