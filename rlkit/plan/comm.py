@@ -77,7 +77,8 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
                            inter_node_bw: Any = "ib", sequence_parallel: bool = False,
                            recompute: str | None = None, activation_checkpointing: bool | None = None,
                            vocab_parallel: bool = True, gathered_logits: bool = False,
-                           stage: int | None = None, _rows_only: bool = False) -> pd.DataFrame:
+                           tp_layout: str = "fused", stage: int | None = None,
+                           _rows_only: bool = False) -> pd.DataFrame:
     """Collectives one rank runs per optimizer step: one row per (dim, collective).
 
     Columns: ``dim, collective, group_size, calls_per_step, bytes_per_call`` (the collective's full
@@ -109,7 +110,11 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
 
     **TP** (Megatron: Shoeybi et al. 2019, Sec. 3, the f/g operators): per decoder layer and
     micro-batch 2 all-reduces in forward and 2 in backward (+2 when recomputing the forward with
-    ``recompute="full"``; selective recompute repeats no collective), each of ``micro_batch x seq_len x hidden x compute bytes``;
+    ``recompute="full"``; selective recompute repeats no collective). That is ``tp_layout="fused"``:
+    one column-parallel input per block (Megatron's fused QKV and gate/up, or torchtitan's
+    ``PrepareModuleInput`` before attention and MLP). ``tp_layout="per-module"`` is what
+    ``rlkit.parallel.apply.apply_tp`` builds today: a ``ColwiseParallel`` on each of q, k, v, gate and
+    up, so backward all-reduces each one's input gradient: 5 per layer instead of 2. Each of ``micro_batch x seq_len x hidden x compute bytes``;
     ``sequence_parallel`` replaces each by an all-gather plus a reduce-scatter of the same size
     (Korthikanti et al. 2022, Sec. 4.2.2): same bytes. The vocab-parallel embedding adds a forward
     all-reduce on the first stage and the column-parallel lm_head a backward one on the last;
@@ -123,6 +128,9 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
     """
     spec, s, b = _check_common(plan, model, seq_len, micro_batch, precision)
     full_recompute = recompute_mode(recompute, activation_checkpointing) == "full"
+    if tp_layout not in ("fused", "per-module"):
+        raise PlanError(f"tp_layout={tp_layout!r} must be 'fused' (Megatron / torchtitan: 2 backward all-reduces "
+                        f"per layer) or 'per-module' (rlkit.parallel's ColwiseParallel on q, k, v, gate, up: 5)")
     if global_batch is not None:
         _pos_int("global_batch", global_batch)
         if global_batch % (plan.dp * b):
@@ -178,7 +186,8 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
                             sum(units[k] * unit_full[k] for k in units) // S * syncs * gb))
         # -- TP
         if tp > 1:
-            calls = (4 + 2 * full_recompute) * L * m + (m * first + m * last) * vocab_parallel
+            backward = 2 if tp_layout == "fused" else 5
+            calls = (2 + backward + 2 * full_recompute) * L * m + (m * first + m * last) * vocab_parallel
             if sequence_parallel:
                 out.append(("tp", "all-gather", tp, calls, calls * act))
                 out.append(("tp", "reduce-scatter", tp, calls, calls * act))
