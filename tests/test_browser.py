@@ -79,6 +79,7 @@ class Lab:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={self.port}",
              "--allow-root", "--IdentityProvider.token=", "--ServerApp.password=",
+             "--ServerApp.disable_check_xsrf=True",  # a loopback test server: lets the REST DELETEs through
              "--LabApp.expose_app_in_browser=True", f"--ServerApp.root_dir={self.root}",
              f"--LabApp.user_settings_dir={settings}", f"--LabApp.workspaces_dir={tmp / 'workspaces'}",
              "--LabApp.news_url=", "--ServerApp.open_browser=False"],
@@ -100,12 +101,17 @@ class Lab:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-n:]
 
+    def shutdown_kernels(self) -> None:
+        """Shut every kernel down through the REST API: a notebook's Ray cluster and workers go with it,
+        so the next notebook starts on a free machine."""
+        if self.proc.poll() is None:
+            for kernel in json.loads(_get(f"{self.url}/api/kernels")):
+                _get(f"{self.url}/api/kernels/{kernel['id']}", method="DELETE", timeout=30)
+
     def stop(self) -> None:
-        """Shut the kernels down through the REST API, then the server (SIGTERM, then SIGKILL)."""
+        """Shut the kernels down, then the server (SIGTERM, then SIGKILL)."""
         try:
-            if self.proc.poll() is None:
-                for kernel in json.loads(_get(f"{self.url}/api/kernels")):
-                    _get(f"{self.url}/api/kernels/{kernel['id']}", method="DELETE", timeout=15)
+            self.shutdown_kernels()
         except OSError:
             pass
         finally:
@@ -184,9 +190,12 @@ def _open_and_run_all(page, lab: Lab, notebook: Path, run_timeout_s: float = 240
     """Open ``notebook`` (its repo-relative path under the lab's root), run all cells, wait (bounded) until
     every code cell ran and the kernel is idle, and fail naming any cell that raised."""
     t0 = time.monotonic()
-    page.goto(f"{lab.url}/lab/tree/{notebook.relative_to(ROOT).as_posix()}", wait_until="domcontentloaded",
+    lab.shutdown_kernels()  # the previous test's notebook (and its Ray) must not hold the machine
+    # ?reset: a fresh workspace, or JupyterLab would reopen the previous test's notebook beside this one
+    page.goto(f"{lab.url}/lab/tree/{notebook.relative_to(ROOT).as_posix()}?reset", wait_until="domcontentloaded",
               timeout=120_000)
-    _wait(page, PANEL, f"JupyterLab to open {notebook.name} (window.jupyterapp with a notebook panel)", 120, lab)
+    _wait(page, f"(() => {{ const p = {PANEL}; return !!p && p.context.path === {json.dumps(notebook.relative_to(ROOT).as_posix())}; }})()",
+          f"JupyterLab to open {notebook.name} as the current notebook panel", 120, lab)
     _wait(page, KERNEL_IDLE, f"{notebook.name}'s kernel to start and go idle", 120, lab)
     out = {"lab_open_s": time.monotonic() - t0}
     page.evaluate(WATCH_IMAGES)
