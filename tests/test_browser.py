@@ -144,6 +144,19 @@ def lab(tmp_path_factory, chromium):
         server.stop()
 
 
+@pytest.fixture
+def page(chromium):
+    """A fresh headless Chromium page, the browser closed after the test."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield browser.new_page(viewport={"width": 1400, "height": 1000})
+        finally:
+            browser.close()
+
+
 def _artifacts() -> Path:
     out = Path(os.environ.get("RLKIT_ARTIFACTS") or ROOT / "runs" / "browser")
     out.mkdir(parents=True, exist_ok=True)
@@ -232,119 +245,95 @@ DRAWS_OF = "(needle) => [...window.__imageDraws.entries()].filter(([code]) => co
            ".reduce((n, [, k]) => n + k, 0)"
 
 
-def test_notebook_02_live_view_redraws_during_fit(lab, chromium):
+def test_notebook_02_live_view_redraws_during_fit(lab, page):
     """The GRPO notebook run from the browser: no cell raises, and the live view's dashboard image in the
     ``trainer.fit`` cell is drawn several times while the run goes (not once at the end)."""
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            timings = _open_and_run_all(page, lab, GRPO, run_timeout_s=420)
-            draws = page.evaluate(DRAWS_OF, "trainer.fit(")
-            assert draws >= 2, f"the live view in the trainer.fit cell was drawn {draws} time(s)"
-            fit_cell = page.locator(".jp-CodeCell").filter(has_text="trainer.fit(").first
-            shot = _artifacts() / "notebook02_live_view.png"
-            fit_cell.screenshot(path=str(shot))
-        finally:
-            browser.close()
+    timings = _open_and_run_all(page, lab, GRPO, run_timeout_s=420)
+    draws = page.evaluate(DRAWS_OF, "trainer.fit(")
+    assert draws >= 2, f"the live view in the trainer.fit cell was drawn {draws} time(s)"
+    fit_cell = page.locator(".jp-CodeCell").filter(has_text="trainer.fit(").first
+    shot = _artifacts() / "notebook02_live_view.png"
+    fit_cell.screenshot(path=str(shot))
     print(f"\nlive view drawn {draws} times during fit; screenshot: {shot}; timings:",
           {k: round(v, 1) for k, v in timings.items()})
 
 
-def test_tutorial_01_rank_grid(lab, chromium):
+def test_tutorial_01_rank_grid(lab, page):
     """Tutorial 01 run from the browser: no cell raises and its rank grid shows one cell per rank."""
-    from playwright.sync_api import sync_playwright
-
     if not TUTORIAL_DP.exists():
         pytest.fail(f"{TUTORIAL_DP.relative_to(ROOT)} is missing")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            timings = _open_and_run_all(page, lab, TUTORIAL_DP)
-            _wait(page, f"(() => {BUTTONS_PER_CELL}.some(n => n > 0))()", "the tutorial's rank grid to render", 60, lab)
-            grids = [n for n in page.evaluate(BUTTONS_PER_CELL) if n]
-            # the grid's plan is the first ParallelPlan the tutorial displays; its cells are its ranks
-            labels = page.locator(".jp-CodeCell").filter(has=page.locator(".widget-button")).first \
-                .locator(".widget-button").all_inner_texts()
-            ranks = [int(x) for x in labels if x.strip().isdigit()]
-            assert ranks and ranks == list(range(len(ranks))), labels
-            shot = _artifacts() / "tutorial01.png"
-            page.screenshot(path=str(shot))
-        finally:
-            browser.close()
+    timings = _open_and_run_all(page, lab, TUTORIAL_DP)
+    _wait(page, f"(() => {BUTTONS_PER_CELL}.some(n => n > 0))()", "the tutorial's rank grid to render", 60, lab)
+    grids = [n for n in page.evaluate(BUTTONS_PER_CELL) if n]
+    # the grid's plan is the first ParallelPlan the tutorial displays; its cells are its ranks
+    labels = page.locator(".jp-CodeCell").filter(has=page.locator(".widget-button")).first \
+        .locator(".widget-button").all_inner_texts()
+    ranks = [int(x) for x in labels if x.strip().isdigit()]
+    assert ranks and ranks == list(range(len(ranks))), labels
+    shot = _artifacts() / "tutorial01.png"
+    page.screenshot(path=str(shot))
     print(f"\ntutorial 01 grids (buttons per cell): {grids}; screenshot: {shot}; timings:",
           {k: round(v, 1) for k, v in timings.items()})
 
 
-def test_notebook_01_in_chromium(lab, chromium):
-    from playwright.sync_api import sync_playwright
-
+def test_notebook_01_in_chromium(lab, page):
     t0 = time.monotonic()
     timings: dict[str, float] = {}
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            console: list[str] = []
-            page.on("console", lambda m: console.append(f"{m.type}: {m.text}"[:300]))
-            timings.update(_open_and_run_all(page, lab, NOTEBOOK))
+    console: list[str] = []
+    page.on("console", lambda m: console.append(f"{m.type}: {m.text}"[:300]))
+    timings.update(_open_and_run_all(page, lab, NOTEBOOK))
 
-            # the rank grid: the `plan` cell and the `view = plan.show(...)` cell each draw one button per rank
-            _wait(page, f"(() => {BUTTONS_PER_CELL}.filter(n => n > 0).length >= 2)()",
-                  "both PlanView rank grids to render", 60, lab)
-            grids = [n for n in page.evaluate(BUTTONS_PER_CELL) if n]
-            assert grids == [RANKS, RANKS], f"buttons per PlanView output: {grids}, expected two grids of {RANKS}"
-            first_grid = page.locator(".jp-CodeCell").filter(has=page.locator(".widget-button")).first
-            labels = first_grid.locator(".widget-button").all_inner_texts()
-            assert [int(x) for x in labels] == list(range(RANKS)), "grid cells are not ranks 0..511 in order"
+    # the rank grid: the `plan` cell and the `view = plan.show(...)` cell each draw one button per rank
+    _wait(page, f"(() => {BUTTONS_PER_CELL}.filter(n => n > 0).length >= 2)()",
+          "both PlanView rank grids to render", 60, lab)
+    grids = [n for n in page.evaluate(BUTTONS_PER_CELL) if n]
+    assert grids == [RANKS, RANKS], f"buttons per PlanView output: {grids}, expected two grids of {RANKS}"
+    first_grid = page.locator(".jp-CodeCell").filter(has=page.locator(".widget-button")).first
+    labels = first_grid.locator(".widget-button").all_inner_texts()
+    assert [int(x) for x in labels] == list(range(RANKS)), "grid cells are not ranks 0..511 in order"
 
-            # the explorer: one panel, its memory image loaded, its tokens/s line
-            explorer = page.locator(".rlkit-plan-explorer")
-            _wait(page, "(() => { const i = document.querySelector('.rlkit-plan-explorer img.rlkit-explorer-memory');"
-                        " return !!i && i.complete && i.naturalWidth > 100; })()",
-                  "the explorer's memory figure to load", 60, lab)
-            assert explorer.count() == 1
-            status = explorer.locator(".rlkit-explorer-status")
-            before = status.inner_text()
-            assert "tokens/s" in before and "MFU" in before and "every rank fits" in before, before
-            image_before = explorer.locator("img.rlkit-explorer-memory").get_attribute("src")
-            select = explorer.locator(".rlkit-explorer-recompute select")
-            # the notebook's update(recompute="full") reached the page too
-            assert select.evaluate("s => s.options[s.selectedIndex].text") == "full"
+    # the explorer: one panel, its memory image loaded, its tokens/s line
+    explorer = page.locator(".rlkit-plan-explorer")
+    _wait(page, "(() => { const i = document.querySelector('.rlkit-plan-explorer img.rlkit-explorer-memory');"
+                " return !!i && i.complete && i.naturalWidth > 100; })()",
+          "the explorer's memory figure to load", 60, lab)
+    assert explorer.count() == 1
+    status = explorer.locator(".rlkit-explorer-status")
+    before = status.inner_text()
+    assert "tokens/s" in before and "MFU" in before and "every rank fits" in before, before
+    image_before = explorer.locator("img.rlkit-explorer-memory").get_attribute("src")
+    select = explorer.locator(".rlkit-explorer-recompute select")
+    # the notebook's update(recompute="full") reached the page too
+    assert select.evaluate("s => s.options[s.selectedIndex].text") == "full"
 
-            # change a control in the page: back to no recompute; the kernel recomputes and redraws
-            t = time.monotonic()
-            select.select_option(label="none")
-            _wait(page, "([b]) => { const e = document.querySelector('.rlkit-plan-explorer .rlkit-explorer-status');"
-                        " return !!e && e.innerText !== b && e.innerText.includes('tokens/s'); }",
-                  "the explorer's status line to change after selecting recompute=none", 60, lab, arg=[before])
-            _wait(page, "([src]) => { const i = document.querySelector('.rlkit-plan-explorer img.rlkit-explorer-memory');"
-                        " return !!i && i.getAttribute('src') !== src && i.complete && i.naturalWidth > 100; }",
-                  "the explorer's memory figure to be redrawn", 60, lab, arg=[image_before])
-            timings["redraw_s"] = time.monotonic() - t
-            after = status.inner_text()
+    # change a control in the page: back to no recompute; the kernel recomputes and redraws
+    t = time.monotonic()
+    select.select_option(label="none")
+    _wait(page, "([b]) => { const e = document.querySelector('.rlkit-plan-explorer .rlkit-explorer-status');"
+                " return !!e && e.innerText !== b && e.innerText.includes('tokens/s'); }",
+          "the explorer's status line to change after selecting recompute=none", 60, lab, arg=[before])
+    _wait(page, "([src]) => { const i = document.querySelector('.rlkit-plan-explorer img.rlkit-explorer-memory');"
+                " return !!i && i.getAttribute('src') !== src && i.complete && i.naturalWidth > 100; }",
+          "the explorer's memory figure to be redrawn", 60, lab, arg=[image_before])
+    timings["redraw_s"] = time.monotonic() - t
+    after = status.inner_text()
 
-            def peak(text: str) -> float:
-                m = re.search(r"peak ([\d.]+) GiB", text)
-                assert m, text
-                return float(m.group(1))
+    def peak(text: str) -> float:
+        m = re.search(r"peak ([\d.]+) GiB", text)
+        assert m, text
+        return float(m.group(1))
 
-            # without recompute activations are kept: a higher peak, and more tokens/s (no extra forward)
-            assert peak(after) > peak(before), (before, after)
-            assert after.split(" tokens/s")[0] != before.split(" tokens/s")[0], (before, after)
+    # without recompute activations are kept: a higher peak, and more tokens/s (no extra forward)
+    assert peak(after) > peak(before), (before, after)
+    assert after.split(" tokens/s")[0] != before.split(" tokens/s")[0], (before, after)
 
-            out = _artifacts()
-            shot = out / "notebook01_explorer.png"
-            explorer.screenshot(path=str(shot))
-            page_shot = out / "notebook01.png"
-            page.screenshot(path=str(page_shot))  # the lab scrolls inside: the viewport, at the explorer
-            widget_errors = [c for c in console if c.startswith("error") and "widget" in c.lower()]
-            assert not widget_errors, widget_errors
-        finally:
-            browser.close()
+    out = _artifacts()
+    shot = out / "notebook01_explorer.png"
+    explorer.screenshot(path=str(shot))
+    page_shot = out / "notebook01.png"
+    page.screenshot(path=str(page_shot))  # the lab scrolls inside: the viewport, at the explorer
+    widget_errors = [c for c in console if c.startswith("error") and "widget" in c.lower()]
+    assert not widget_errors, widget_errors
     timings["total_s"] = time.monotonic() - t0
     print(f"\nscreenshots: {shot} and {page_shot}")
     print("browser timings:", {k: round(v, 1) for k, v in timings.items()})

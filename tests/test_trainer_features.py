@@ -118,6 +118,16 @@ def _trainer(cluster, tmp_path_factory, name, dataset, reward, callbacks, **kw):
                    run_dir=str(tmp_path_factory.mktemp(name)), **kw)
 
 
+def _fitted(tr, steps: int, **parts):
+    """Fit ``tr`` for ``steps`` with a Spy on it, yield what the tests read, and close it after."""
+    try:
+        spy = Spy(tr)
+        df = tr.fit(steps=steps, view="none")
+        yield SimpleNamespace(tr=tr, df=df, spy=spy, **parts)
+    finally:
+        tr.close()
+
+
 @pytest.fixture(scope="module")
 def run_a(ray_make_cluster, tmp_path_factory):
     """GRPO + KL loss to the reference, epochs=2 x minibatches=2, warm-up then constant LR, a dict reward
@@ -125,12 +135,7 @@ def run_a(ray_make_cluster, tmp_path_factory):
     given, shaped, cb = Given(), Shaped(), Callback()
     tr = _trainer(ray_make_cluster(), tmp_path_factory, "a", pd.DataFrame(ROWS), {given: W_GIVEN, shaped: W_SHAPED}, [cb],
                   kl_coef=KL_A, epochs=2, minibatches=2, lr_warmup_steps=WARMUP, keep_samples=40)
-    try:
-        spy = Spy(tr)
-        df = tr.fit(steps=3, view="none")
-        yield SimpleNamespace(tr=tr, df=df, spy=spy, cb=cb, given=given, shaped=shaped)
-    finally:
-        tr.close()
+    yield from _fitted(tr, 3, cb=cb, given=given, shaped=shaped)
 
 
 @pytest.fixture(scope="module")
@@ -141,12 +146,7 @@ def run_b(ray_make_cluster, tmp_path_factory):
     tr = _trainer(ray_make_cluster(), tmp_path_factory, "b", [dict(r) for r in ROWS], [(given, W_GIVEN), (shaped, W_SHAPED)], [cb],
                   kl_coef=KL_B, kl_in_reward=True, kl_target=TARGET_B, lr_warmup_steps=WARMUP,
                   lr_schedule="cosine")
-    try:
-        spy = Spy(tr)
-        df = tr.fit(steps=5, view="none")
-        yield SimpleNamespace(tr=tr, df=df, spy=spy, cb=cb, given=given, shaped=shaped)
-    finally:
-        tr.close()
+    yield from _fitted(tr, 5, cb=cb, given=given, shaped=shaped)
 
 
 # ---- independent references ------------------------------------------------------------------------
