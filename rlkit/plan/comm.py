@@ -224,14 +224,18 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
         for p, n in enumerate(layers_per_rank):
             first_of.setdefault(n, p)
         candidates = sorted({0, pp - 1, *first_of.values()})
-        stage = max(candidates, key=lambda p: (sum(r["time_s"] for r in rows_of(p)), -p))
+        by_stage = {p: rows_of(p) for p in candidates}
+        stage = max(candidates, key=lambda p: (sum(r["time_s"] for r in by_stage[p]), -p))
+        rows = by_stage[stage]
+    else:
+        rows = rows_of(stage)
     if _rows_only:  # the plan search's fast path: no DataFrame
-        return rows_of(stage)  # type: ignore[return-value]
+        return rows  # type: ignore[return-value]
     import pandas as pd
 
     cols = ["dim", "collective", "group_size", "calls_per_step", "bytes_per_call", "bytes_per_step",
             "link", "bandwidth", "time_s"]
-    df = pd.DataFrame(rows_of(stage), columns=cols)
+    df = pd.DataFrame(rows, columns=cols)
     df.attrs.update(model=spec.name, plan=plan.describe(), stage=stage, micro_batches=m, seq_len=s,
                     micro_batch=b, precision=precision, devices_per_node=per,
                     total_time_s=float(df["time_s"].sum()), total_bytes=int(df["bytes_per_step"].sum()))
