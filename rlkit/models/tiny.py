@@ -149,8 +149,9 @@ def build_and_save(cfg: Any, out: Path, auto_cls: Any, seed: int) -> str:
         try:
             os.rename(tmp, out)
         except OSError:  # someone else finished first, or out exists: keep theirs
-            if not (out / "config.json").exists():
-                raise
+            if not (out / "config.json").exists():  # a leftover without weights: replace it
+                shutil.rmtree(out, ignore_errors=True)
+                os.rename(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(out)

@@ -189,16 +189,17 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
                 r = reference_forward(ref, None, b)["logprobs"]
             report["max_dlogprob_gathered_model"] = (a - r).abs().max().item()
 
-    # 4b. re-layout into a generation layout (pp=1, the smallest TP > 1 the world and the model allow)
-    from rlkit.parallel.relayout import relayout
+    # 4b. reshard into the generation layout Rollout(tp=1) (the 3D-HybridEngine's; full weights on every
+    # rank, gathered inside micro-DP groups), then give the training storage back
+    from rlkit.parallel.relayout import Resharder
+    from rlkit.plan.hybrid import GenerationLayout
 
-    target = _generation_layout(plan.world_size, model, head)
-    shards, rel = relayout(pm, target)
-    tp_rank = target.coords(rank)["tp"]
-    drel = max((shards[k] - _megatron_tp_slice(k, v.detach(), target.tp, tp_rank)).abs().max().item()
-               for k, v in ref_named.items())
-    report.update(relayout_plan=target.describe(), max_drelayout=_max(torch.tensor(drel)),
-                  relayout_bytes=rel["bytes"], relayout_seconds=rel["seconds"], relayout_held_bytes=rel["held_bytes"])
+    resharder = Resharder(pm, GenerationLayout(plan, tp=1))
+    shards, rel = resharder.reshard()
+    drel = max((shards[k] - v.detach()).abs().max().item() for k, v in ref_named.items())
+    resharder.release()
+    report.update(relayout_plan=f"{plan.describe()} -> Rollout(tp=1)", max_drelayout=_max(torch.tensor(drel)),
+                  relayout_bytes=rel["bytes"], relayout_seconds=rel["seconds"], relayout_held_bytes=rel["param_bytes"])
 
     # 5. save -> load into a fresh ParallelModel -> continue == uninterrupted run
     if ckpt is not None:
@@ -300,20 +301,6 @@ def compare_with_estimate(measured, plan: ParallelPlan, config, seq_len: int, mi
     return compare_memory(est[cols], measured[cols]).to_dict(orient="records")
 
 
-def _generation_layout(world: int, model: Any, head: str) -> ParallelPlan:
-    """The layout the re-layout check targets: TP over 2 (or 3, 4) ranks where the world size and the
-    model's heads divide (SmolLM2's 9 heads take tp=3), else pure DP."""
-    from rlkit.errors import PlanError
-
-    for tp in (2, 3, 4) if head == "lm" else ():
-        if world % tp == 0:
-            try:
-                return ParallelPlan(dp=world // tp, tp=tp).validate(model=model)
-            except PlanError:
-                continue
-    return ParallelPlan(dp=world)
-
-
 def _chunks(b: dict[str, torch.Tensor], k: int):
     n = b["input_ids"].shape[0] // k
     return [{key: v[i * n:(i + 1) * n] for key, v in b.items()} for i in range(k)]
@@ -346,22 +333,3 @@ def format_report(rep: dict[str, Any]) -> str:
 
 def _fmt(v: Any) -> str:
     return f"{v:.3e}" if isinstance(v, float) else str(v)
-
-
-# Megatron's TP split, spelled out by module name for the check (independent of rlkit's own shard_dim):
-# column-parallel projections, the vocab-parallel embedding and lm_head split their output dim (0),
-# row-parallel projections their input dim (1); norms and the rest stay whole.
-_TP_DIM0 = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
-_TP_DIM1 = ("o_proj", "down_proj")
-
-
-def _megatron_tp_slice(name: str, full: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
-    module, param = name.split(".")[-2:]
-    if module in _TP_DIM0:
-        dim = 0
-    elif module in _TP_DIM1 and param == "weight":
-        dim = 1
-    else:
-        return full
-    size = full.shape[dim] // tp
-    return full.narrow(dim, tp_rank * size, size)

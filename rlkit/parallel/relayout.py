@@ -1,9 +1,21 @@
-"""Re-layout: weights from any training layout into a generation layout (TP-only or full replicas).
+"""Resharding for the 3D-HybridEngine: training shards -> this rank's generation shard, and back.
 
-Rollout engines want ``pp=1``: every rank holds whole layers, split over ``tp`` Megatron-style (or full
-replicas with ``tp=1``). The training layout's weights stream out one full tensor at a time
-(``ParallelModel.iter_full_weights``); each rank keeps only its target TP slice, so no rank ever holds
-more than its target shards plus one full tensor in flight.
+The layout (which ranks generate together, which share a shard) is ``rlkit.plan.hybrid.GenerationLayout``.
+Here it is carried out with real collectives, per parameter in HF order:
+
+1. The ranks of the parameter's pipeline stage take their TP-local piece. With FSDP this is an
+   all-gather inside their DP group (DTensor ``redistribute``), nothing otherwise.
+2. Inside each micro-DP group, the ``k = tp / t_g`` stage ranks whose training chunks make up the
+   generation chunk broadcast them; every member writes them straight into its generation tensor.
+
+Nothing is held twice. With ``k == 1`` a rank's own piece *is* its generation tensor (the training
+storage, aliased). With ``k > 1`` the piece is copied into its slot, and the training storage is
+released until ``release()`` copies it back after generation. Replicated tensors (norms) are aliased.
+
+>>> rs = Resharder(pm, GenerationLayout(pm.plan, tp=2))     # doctest: +SKIP  (on every rank)
+>>> shards, stats = rs.reshard()                            # doctest: +SKIP
+>>> stats["bytes"], stats["peak_param_bytes"]               # doctest: +SKIP
+>>> rs.release()                                            # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -13,10 +25,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from rlkit.errors import PlanError
 from rlkit.parallel.apply import DEFAULT_LAYER_PLAN
-from rlkit.plan.topology import ParallelPlan
+from rlkit.plan.hybrid import GenerationLayout
 
 if TYPE_CHECKING:
     from rlkit.parallel.model import ParallelModel
@@ -47,20 +62,157 @@ def tp_shard(name: str, full: torch.Tensor, tp: int, tp_rank: int, config: Any =
     return full.chunk(tp, dim)[tp_rank].clone()
 
 
-def relayout(pm: ParallelModel, target: ParallelPlan) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """This rank's weights under ``target`` (same world size, ``pp=1``); returns ``(shards, stats)`` with
-    stats ``bytes`` (received by this rank), ``seconds`` and ``held_bytes`` (what it keeps).
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
-    >>> shards, stats = relayout(pm, ParallelPlan(dp=4, tp=2))   # doctest: +SKIP
+
+class Resharder:
+    """Moves ``pm``'s weights into the generation layout ``layout`` and back; create it on every rank.
+
+    ``reshard()`` returns this rank's generation shard (HF name -> local tensor, TP-sliced for
+    ``layout.tp`` ranks; a tied lm_head is the embedding) and ``{"bytes"`` received, ``"seconds"``,
+    ``"peak_param_bytes"}``: the most parameter storage (training and generation) alive at once,
+    summed over distinct storages. ``release()`` drops the generation shard and gives the training
+    storage back. Between the two, the training parameters must not be read.
     """
-    if target.world_size != pm.plan.world_size:
-        raise PlanError(f"relayout keeps the ranks: target world {target.world_size} != training world "
-                        f"{pm.plan.world_size}; choose dp*tp = {pm.plan.world_size}")
-    if target.pp != 1:
-        raise PlanError(f"relayout targets generation layouts (pp=1: TP-only or full replicas); got pp={target.pp}")
-    target.validate(model=pm.config)
-    t0 = time.perf_counter()
-    tp_rank = target.coords(pm.rank)["tp"]
-    shards = {name: tp_shard(name, t, target.tp, tp_rank, pm.config) for name, t in pm.iter_full_weights(to="all")}
-    held = sum(t.numel() * t.element_size() for t in shards.values())
-    return shards, {"bytes": pm.last_transfer["bytes"], "seconds": time.perf_counter() - t0, "held_bytes": float(held)}
+
+    def __init__(self, pm: ParallelModel, layout: GenerationLayout):
+        if layout.plan != pm.plan:
+            raise PlanError(f"the generation layout was made for {layout.plan.describe()} but the model "
+                            f"trains under {pm.plan.describe()}")
+        layout.validate(pm.config)
+        vocab = pm.config.vocab_size
+        if layout.k > 1 and vocab % pm.plan.tp:
+            raise PlanError(f"Rollout(tp={layout.tp}) with training tp={pm.plan.tp}: vocab_size={vocab} does not "
+                            f"divide by tp={pm.plan.tp}, so the generation and training vocab splits disagree; "
+                            f"use Rollout(tp={pm.plan.tp})")
+        self.pm, self.layout = pm, layout
+        # one DeviceMesh: generation groups along "gen_tp", micro-DP groups along "micro_dp"
+        self.mesh = DeviceMesh(pm.device.type, torch.tensor(layout.mesh()),
+                               mesh_dim_names=("gen_dp", "micro_dp", "gen_tp"))
+        self.tp_mesh = self.mesh["gen_tp"]
+        self.micro_group = self.mesh["micro_dp"].get_group()
+        self.members = layout.micro_dp_group(pm.rank)
+        self.gen_tp = layout.coords(pm.rank)["gen_tp"]
+        self._freed: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        self.shards: dict[str, torch.Tensor] | None = None
+
+    # ---- training side ---------------------------------------------------------------------------
+    def _tp_local(self, p: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, int, bool]:
+        """(this rank's TP-local piece of ``p``, bytes gathered for it, whether it *is* the training
+        storage). Under FSDP the piece is all-gathered inside the DP group; otherwise it is aliased."""
+        if not isinstance(p, DTensor):
+            return p.detach(), 0, True
+        names = p.device_mesh.mesh_dim_names or ()
+        target = [(Shard(dim) if dim is not None else Replicate()) if n == "tp" else Replicate() for n in names]
+        mine = p.to_local().detach()
+        if tuple(p.placements) == tuple(target):
+            return mine, 0, True
+        piece = p.redistribute(p.device_mesh, target).to_local().detach()
+        if piece.untyped_storage().data_ptr() == mine.untyped_storage().data_ptr():
+            return mine, 0, True  # the mesh dims that differ have size 1 (DDP as HSDP): no data moved
+        return piece, _nbytes(piece) - _nbytes(mine), False
+
+    def _training_locals(self) -> list[torch.Tensor]:
+        return [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in self.pm.params]
+
+    # ---- the resharding ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def reshard(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        if self.shards is not None:
+            raise RuntimeError("reshard() called twice without release(): the generation shard is still held")
+        pm, lay = self.pm, self.layout
+        t0 = time.perf_counter()
+        k, tg = lay.k, lay.tp
+        mine = dict(pm.named_parameters())
+        shards: dict[str, torch.Tensor] = {}
+        received = 0
+        peak = held = _distinct_bytes(self._training_locals())
+        group_size = len(self.members)
+        for name, shape, dtype, owner in pm._param_meta():
+            dim = shard_dim(name, pm.config)
+            gshape = list(shape)
+            if dim is not None:
+                gshape[dim] //= tg
+            own = alias = None
+            extra = 0  # bytes this parameter adds beyond what is already held
+            if owner == pm.pp_rank:
+                own, gathered, alias = self._tp_local(mine[name], dim)
+                received += gathered
+                if not alias:
+                    extra += _nbytes(own)
+            srcs = [self.members[owner * k + i] for i in range(k)]
+            if dim is None or k == 1:
+                # one source holds the whole generation tensor: a replicated tensor, or k == 1
+                src = srcs[0]
+                out = own if own is not None else torch.empty(gshape, dtype=dtype, device=pm.device)
+                if own is None:
+                    extra += _nbytes(out)
+                if group_size > 1:
+                    buf = out if pm.rank == src or own is None else torch.empty_like(out)
+                    dist.broadcast(buf, src=src, group=self.micro_group)
+                    if pm.rank != src:
+                        received += _nbytes(buf)
+            else:
+                out = torch.empty(gshape, dtype=dtype, device=pm.device)
+                extra += _nbytes(out)
+                piece = gshape[dim] // k
+                for i, src in enumerate(srcs):
+                    slot = out.narrow(dim, i * piece, piece)
+                    if pm.rank == src:
+                        slot.copy_(own)
+                        buf = slot if slot.is_contiguous() else own.contiguous()
+                        if alias and buf is slot:  # the piece lives in its slot now: release it at once
+                            peak = max(peak, held + extra)
+                            self._release_training(own, slot)
+                            extra -= self._freed[-1][1]
+                            own = None
+                    else:
+                        buf = slot if slot.is_contiguous() else torch.empty(slot.shape, dtype=dtype, device=pm.device)
+                    dist.broadcast(buf, src=src, group=self.micro_group)
+                    if pm.rank != src:
+                        received += _nbytes(buf)
+                        if buf is not slot:
+                            slot.copy_(buf)
+                if own is not None and alias:
+                    # the training piece now lives in the generation tensor: release it until release()
+                    peak = max(peak, held + extra)
+                    self._release_training(own, out.narrow(dim, srcs.index(pm.rank) * piece, piece))
+                    extra -= self._freed[-1][1]
+                elif own is not None:
+                    extra -= _nbytes(own)  # a gathered FSDP piece, copied: dropped with this loop
+            held += extra
+            peak = max(peak, held)
+            shards[name] = out
+            del own
+        if getattr(pm.config, "tie_word_embeddings", False) and "lm_head.weight" not in shards:
+            shards["lm_head.weight"] = shards["model.embed_tokens.weight"]
+        self.shards = shards
+        check = _distinct_bytes(self._training_locals() + list(shards.values()))
+        stats = {"bytes": float(received), "seconds": time.perf_counter() - t0,
+                 "peak_param_bytes": float(max(peak, check)), "param_bytes": float(check)}
+        return shards, stats
+
+    def _release_training(self, own: torch.Tensor, slot: torch.Tensor) -> None:
+        storage = own.untyped_storage()
+        self._freed.append((own, storage.nbytes(), slot))
+        storage.resize_(0)
+
+    @torch.no_grad()
+    def release(self) -> None:
+        """Give the training storage back (copied out of the generation tensors) and drop those."""
+        for own, nbytes, slot in self._freed:
+            own.untyped_storage().resize_(nbytes)
+            own.copy_(slot)
+        self._freed = []
+        self.shards = None
+
+
+def _distinct_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct, allocated storages behind ``tensors``."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.nbytes():
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())

@@ -175,6 +175,17 @@ def assemble(prompt_ids: list[list[int]], prompt_index: list[int], responses: li
                         texts, finish_reason, skipped, timings, engine)
 
 
+def prompt_seeds(seed: int, first_index: int, count: int) -> list[int]:
+    """Seeds of prompts ``first_index .. first_index + count - 1`` of a call seeded ``seed``: draw k of one
+    seeded stream is prompt k's, so a slice of the call gets the seeds the whole call would give it.
+
+    >>> prompt_seeds(3, 0, 4)[2:] == prompt_seeds(3, 2, 2)
+    True
+    """
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2**31 - 1, (first_index + count,), generator=g).tolist()[first_index:]
+
+
 def named_tensor_items(named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]):
     """(name, plain local tensor) pairs from a dict or an iterable; DTensors are gathered to full tensors."""
     items = named_tensors.items() if isinstance(named_tensors, dict) else named_tensors
@@ -208,9 +219,10 @@ class RolloutEngine(ABC):
 
     # -- what an engine implements ------------------------------------------------------------------
     @abstractmethod
-    def _generate_ids(self, prompts: list[list[int]], cfg: Rollout, seed: int
+    def _generate_ids(self, prompts: list[list[int]], cfg: Rollout, seeds: list[int]
                       ) -> tuple[list[list[int]], list[list[float]], list[str]]:
-        """For each prompt, ``cfg.n`` samples in order: (response ids, log-probs, finish reasons)."""
+        """For each prompt, ``cfg.n`` samples in order: (response ids, log-probs, finish reasons).
+        ``seeds[i]`` seeds prompt i's samples alone (see ``prompt_seeds``)."""
 
     @abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
@@ -226,8 +238,13 @@ class RolloutEngine(ABC):
         """Release the engine's model and memory."""
 
     # -- shared ------------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], **overrides: Any) -> RolloutBatch:
-        """Sample ``n`` responses per prompt. ``overrides``: any of ``SAMPLING_FIELDS`` for this call only."""
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], *, first_index: int = 0,
+                 **overrides: Any) -> RolloutBatch:
+        """Sample ``n`` responses per prompt. ``overrides``: any of ``SAMPLING_FIELDS`` for this call only.
+
+        Each prompt samples from a stream of its own, seeded by the call's seed and its position
+        ``first_index + i``: a call split into slices (``first_index`` = where each slice starts) samples
+        what the whole call would, however the prompts are batched or spread over engines."""
         cfg = self.config.with_overrides(**overrides)
         seed = cfg.seed if "seed" in overrides else cfg.seed + self.calls
         self.calls += 1
@@ -239,7 +256,8 @@ class RolloutEngine(ABC):
         if not keep:
             return RolloutBatch.empty(self.pad_token_id, skipped)
         kept = [ids[i] for i in keep]
-        responses, logprobs, reasons = self._generate_ids(kept, cfg, seed)
+        seeds = prompt_seeds(seed, first_index, len(ids))
+        responses, logprobs, reasons = self._generate_ids(kept, cfg, [seeds[i] for i in keep])
         t2 = time.perf_counter()
         texts = (self.tokenizer.batch_decode(responses, skip_special_tokens=True) if self.tokenizer is not None
                  else [""] * len(responses))

@@ -60,6 +60,8 @@ class Rollout:
     stop_token_ids: tuple[int, ...] = ()  # extra end tokens besides the model's eos (e.g. <|im_end|>)
     ignore_eos: bool = False             # always generate max_new_tokens (benchmarks)
     seed: int = 0                        # call k of an engine uses seed + k unless a call passes seed=
+    tp: int | None = None                # generation TP on the training ranks (3D-HybridEngine): every
+    #                                      rank generates in groups of tp; None: one engine per DP group
     max_prompt_len: int | None = None    # None: the model context minus max_new_tokens
     on_long_prompt: str = "error"        # "error" raises PromptTooLongError; "skip" drops it and reports it
     dtype: str = "auto"                  # "auto" (the checkpoint's), "float32", "bfloat16", "float16"
@@ -97,6 +99,8 @@ class Rollout:
             raise RolloutError(f"stop={list(self.stop)!r} must be non-empty strings")
         boolean("ignore_eos", self.ignore_eos, **err)
         integer("seed", self.seed, ge=0, **err)
+        integer("tp", self.tp, none_ok=True, hint="generation TP size on the training ranks; None: one "
+                "engine per DP group", **err)
         integer("max_prompt_len", self.max_prompt_len, none_ok=True, hint="None: the model context", **err)
         choice("on_long_prompt", self.on_long_prompt, ON_LONG_PROMPT, **err)
         choice("dtype", self.dtype, DTYPES, **err)

@@ -5,6 +5,10 @@ Each prompt is repeated ``n`` times and the rows are left-padded into one batch 
 divided by the temperature and log-softmaxed: rlkit's convention, the number the actor recomputes.
 (``output_scores`` would instead hold the scores after top-k/top-p masking, which are -inf for tokens
 the actor's forward still gives a probability to.)
+
+Sampling is rlkit's own (``_SeededSampling``: Gumbel-max with one generator per sample), so a sample's
+tokens depend on its seed and the model only: splitting a call over batches, DP ranks or the generation
+groups of ``Rollout(tp=...)`` samples the same responses.
 """
 
 from __future__ import annotations
@@ -15,7 +19,13 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 from rlkit.rollout.base import RolloutEngine, left_pad, named_tensor_items
 from rlkit.rollout.config import Rollout, RolloutError
@@ -49,6 +59,32 @@ class _StopOnStrings(StoppingCriteria):
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_width:], skip_special_tokens=True)
         return torch.tensor([any(s in t for s in self.stops) for t in texts], device=input_ids.device)
+
+
+class _SeededSampling(LogitsProcessor):
+    """Samples each row from ``softmax(logits / T)`` (after top-k, then top-p, as HF's warpers do) with
+    the Gumbel-max trick and a generator per row, and hands ``generate`` scores whose argmax is the
+    draw. A row's draws depend on its seed and its own logits only, never on its batch."""
+
+    def __init__(self, seeds: list[int], cfg: Rollout):
+        self.gens = [torch.Generator().manual_seed(s) for s in seeds]
+        self.temperature, self.top_k, self.top_p = cfg.temperature, max(cfg.top_k, 0), cfg.top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        x = scores.float() / self.temperature
+        if 0 < self.top_k < x.shape[-1]:
+            kth = torch.topk(x, self.top_k, dim=-1).values[:, -1:]
+            x = x.masked_fill(x < kth, float("-inf"))
+        if self.top_p < 1.0:  # drop the least likely tokens whose total mass is <= 1 - top_p (keep one)
+            sorted_x, order = torch.sort(x, dim=-1)
+            drop = sorted_x.softmax(-1).cumsum(-1) <= 1 - self.top_p
+            drop[:, -1] = False
+            x = x.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+        u = torch.stack([torch.rand(x.shape[-1], generator=g, dtype=torch.float64) for g in self.gens])
+        gumbel = -torch.log(-torch.log(u.clamp(1e-300, 1 - 1e-16)))
+        pick = (x.double().cpu() + gumbel).argmax(-1).to(scores.device)
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter_(1, pick[:, None], 0.0)
 
 
 class HFEngine(RolloutEngine):
@@ -90,18 +126,15 @@ class HFEngine(RolloutEngine):
             raise RolloutError(f"stop={list(config.stop)} needs a tokenizer; pass tokenizer= to HFEngine")
 
     def _generation_config(self, cfg: Rollout) -> GenerationConfig:
-        sample = cfg.temperature > 0
-        # [] (not None) for "no end token": generate fills None from the model's generation_config
+        # [] (not None) for "no end token": generate fills None from the model's generation_config.
+        # Always "greedy" for generate: sampling is _SeededSampling's, which picks the token it draws.
         ends = ([] if cfg.ignore_eos else self.eos_ids) + list(cfg.stop_token_ids)
-        kw = dict(do_sample=sample, max_new_tokens=cfg.max_new_tokens,
-                  eos_token_id=ends, pad_token_id=self.pad_token_id, output_logits=True,
-                  return_dict_in_generate=True)
-        if sample:  # set every warper explicitly: HF's defaults include top_k=50
-            kw.update(temperature=cfg.temperature, top_k=max(cfg.top_k, 0), top_p=cfg.top_p)
-        return GenerationConfig(**kw)
+        return GenerationConfig(do_sample=False, max_new_tokens=cfg.max_new_tokens, eos_token_id=ends,
+                                pad_token_id=self.pad_token_id, output_logits=True, return_dict_in_generate=True,
+                                temperature=None, top_k=None, top_p=None)
 
     @torch.no_grad()
-    def _generate_ids(self, prompts, cfg, seed):
+    def _generate_ids(self, prompts, cfg, seeds):
         temp = cfg.temperature if cfg.temperature > 0 else 1.0
         ends = set(([] if cfg.ignore_eos else self.eos_ids) + list(cfg.stop_token_ids))
         # each prompt repeated n times, adjacent (what num_return_sequences does, but greedy allows it too)
@@ -109,15 +142,18 @@ class HFEngine(RolloutEngine):
         chunk = (cfg.hf_batch_size or len(prompts)) * cfg.n
         responses, logprobs, reasons = [], [], []
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):  # the seed must not move the caller's RNG
-            torch.manual_seed(seed)
+        # sample j of prompt i draws from its own stream: the same tokens however prompts are batched
+        row_seeds = [(seed * 1_000_003 + j) % 2**63 for seed in seeds for j in range(cfg.n)]
+        with torch.random.fork_rng(devices=devices):  # nothing here moves the caller's RNG
             for start in range(0, len(rows), chunk):
                 ids, mask = left_pad(rows[start:start + chunk], self.pad_token_id)
                 stopping = StoppingCriteriaList(
                     [_StopOnStrings(self.tokenizer, cfg.stop, ids.shape[1])] if cfg.stop else [])
+                sampler = LogitsProcessorList(
+                    [_SeededSampling(row_seeds[start:start + chunk], cfg)] if cfg.temperature > 0 else [])
                 out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                           generation_config=self._generation_config(cfg),
-                                          stopping_criteria=stopping)
+                                          stopping_criteria=stopping, logits_processor=sampler)
                 new = out.sequences[:, ids.shape[1]:]
                 # log-prob of each sampled token under softmax(raw logits / T), one step at a time so the
                 # (rows, vocab) float32 copy exists once, not per step

@@ -151,21 +151,20 @@ class VLLMEngine(RolloutEngine):
                                "VLLM_ENABLE_V1_MULTIPROCESSING=0 set before vllm starts, and a vLLM "
                                "version with llm_engine.model_executor.driver_worker") from e
 
-    def _sampling_params(self, cfg: Rollout, seed: int, count: int):
+    def _sampling_params(self, cfg: Rollout, seeds: list[int]):
         from vllm import SamplingParams
 
-        # one seed per prompt, drawn from the call's seed: vLLM gives the n children seed + i, and
-        # equal prompts in one batch still get different samples
-        seeds = torch.randint(0, 2**31 - 1, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+        # one seed per prompt (base.prompt_seeds): vLLM gives the n children seed + i, and equal prompts
+        # in one batch still get different samples
         common = dict(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=max(cfg.top_k, 0),
                       max_tokens=cfg.max_new_tokens, stop=list(cfg.stop) or None,
                       stop_token_ids=list(cfg.stop_token_ids) or None, ignore_eos=cfg.ignore_eos, logprobs=0,
                       include_stop_str_in_output=True, skip_special_tokens=True)
         return [SamplingParams(seed=s, **common) for s in seeds]
 
-    def _generate_ids(self, prompts, cfg, seed):
+    def _generate_ids(self, prompts, cfg, seeds):
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
-                                 self._sampling_params(cfg, seed, len(prompts)), use_tqdm=False)
+                                 self._sampling_params(cfg, seeds), use_tqdm=False)
         responses, logprobs, reasons = [], [], []
         for out in outs:
             if len(out.outputs) != cfg.n:

@@ -1,10 +1,15 @@
 """RLWorker: one rank of the RL worker group (actor + rollout engine + reference + critic, colocated).
 
-This is the HybridEngine: the actor trains under its ParallelPlan, and the rollout engine lives on
-the same workers -- one engine per DP group, on that group's ``tp=0`` rank of the last pipeline
-stage (the rank ``WorkerGroup.call_dp`` collects results from). After each update the new weights
-stream out of the training layout one tensor at a time, only to the engine ranks, and are loaded
-into the engine in place.
+This is the HybridEngine: the actor trains under its ParallelPlan, and rollout runs on the same workers.
+Two layouts:
+
+* ``Rollout(tp=None)`` (the default): one engine per DP group, on that group's ``tp=0`` rank of the
+  last pipeline stage (the rank ``WorkerGroup.call_dp`` collects results from). After each update the
+  new weights stream out of the training layout one tensor at a time, only to the engine ranks, and are
+  loaded into the engine in place.
+* ``Rollout(tp=t_g)``: the 3D-HybridEngine's generation layout (``rlkit.workers.hybrid``). Every rank
+  generates, in groups of ``t_g``; each generation resharding moves only what a rank lacks, inside its
+  micro-DP group, and the generation copy is dropped before training resumes.
 
 Sequences have one fixed layout for the whole run, so pipeline schedules are built once:
 ``[prompt left-padded to P | response right-padded to R]``; response token ``j`` sits at column
@@ -42,14 +47,23 @@ class RLWorker:
         self.critic = ParallelModel(model_path, plan, head="value", lr=critic_lr, **common) if need_critic else None
         c = plan.coords(self.rank)
         self.dp_rank = c["dp"]
+        self.hybrid = None
+        if rollout.tp is not None and colocate_rollout:  # every rank generates, in the generation layout
+            from rlkit.plan.hybrid import GenerationLayout
+            from rlkit.workers.hybrid import HybridRollout
+
+            self.hybrid = HybridRollout(model_path, self.actor, GenerationLayout(plan, rollout.tp), rollout)
         # split placement: the engines live in their own RolloutWorker group instead
         self.engine_ranks = sorted(plan.rank(dp=d, tp=0, pp=plan.pp - 1) for d in range(plan.dp)) \
-            if colocate_rollout else []
+            if colocate_rollout and self.hybrid is None else []
         self.engine = make_engine(rollout, model_path) if self.rank in self.engine_ranks else None
 
     # ---- rollout -------------------------------------------------------------------------------
     def generate(self, batch: dict[str, Any], seed: int, **overrides: Any) -> dict[str, Any] | None:
-        """n samples per prompt of this DP group's prompts, laid out ``[P | R]``; None off the engine rank."""
+        """n samples per prompt of this DP group's prompts, laid out ``[P | R]``; None off the engine rank
+        (in the generation layout: off the replica's collector rank, though every rank generates)."""
+        if self.hybrid is not None:
+            return self.hybrid.generate(batch, seed + 7919 * self.dp_rank, self.P, self.R, **overrides)
         if self.engine is None:
             return None
         return rollout_to_batch(self.engine, batch, seed + 7919 * self.dp_rank, self.P, self.R, **overrides)
@@ -109,7 +123,12 @@ class RLWorker:
 
     # ---- weight sync (HybridEngine) ---------------------------------------------------------------
     def sync_weights(self) -> dict[str, float]:
-        """Stream the actor's full weights into the engines; every rank takes part in the gathers."""
+        """Stream the actor's full weights into the engines; every rank takes part in the gathers.
+
+        In the generation layout the resharding runs at the start of each ``generate`` (the generation
+        copy only exists while it generates): this returns that last resharding's numbers."""
+        if self.hybrid is not None:
+            return dict(self.hybrid.last_sync)
         t0 = time.perf_counter()
         stream = self.actor.iter_full_weights(to=self.engine_ranks)
         if self.engine is not None:
@@ -148,6 +167,8 @@ class RLWorker:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+        if self.hybrid is not None:
+            self.hybrid.close()
 
 
 class RolloutWorker:
@@ -176,9 +197,11 @@ class RolloutWorker:
         self.engine.close()
 
 
-def rollout_to_batch(engine: Any, batch: dict[str, Any], seed: int, P: int, R: int, **overrides: Any) -> dict[str, Any]:
+def rollout_to_batch(engine: Any, batch: dict[str, Any], seed: int, P: int, R: int, *, first_index: int = 0,
+                     **overrides: Any) -> dict[str, Any]:
     """Generate for ``batch["prompt"]`` and lay the samples out as ``[prompt left-padded to P | response
     right-padded to R]`` with masks, the rollout's log-probs and each sample's prompt ``uid`` / ``row``.
+    ``first_index``: where these prompts start in the call they are a slice of (per-prompt seeds).
 
     >>> from rlkit.models import tiny_lm
     >>> from rlkit.rollout import HFEngine
@@ -187,7 +210,7 @@ def rollout_to_batch(engine: Any, batch: dict[str, Any], seed: int, P: int, R: i
     >>> tuple(b["input_ids"].shape), b["uid"], b["row"], b["response_mask"].sum().item()
     ((4, 12), [0, 0, 1, 1], [5, 5, 9, 9], 16.0)
     """
-    out = engine.generate(list(batch["prompt"]), seed=seed, **overrides)
+    out = engine.generate(list(batch["prompt"]), seed=seed, first_index=first_index, **overrides)
     n = out.response_ids.shape[0]
     ids = torch.full((n, P + R), engine.pad_token_id, dtype=torch.long)
     attn = torch.zeros(n, P + R, dtype=torch.long)

@@ -1,0 +1,160 @@
+"""Rollout in the generation layout on every training rank (the 3D-HybridEngine, ``Rollout(tp=t_g)``).
+
+Each DP replica's ``tp*pp`` ranks form ``tp*pp / t_g`` generation groups (``rlkit.plan.hybrid``). One
+``generate`` call, on every rank:
+
+1. reshard: the actor's training shards -> this rank's generation shard (``rlkit.parallel.relayout``);
+2. the shard goes into the engine: an HF model whose layers are DTensor-TP over the ``t_g`` ranks of the
+   group (plain tensors for ``t_g = 1``), or a vLLM engine (``t_g = 1``);
+3. the group generates its contiguous slice of the replica's prompts, all its ranks in lockstep
+   (same prompts, same per-prompt seeds, so the same samples: the ones one engine would draw);
+4. release: the engine's weights are dropped and the training storage given back, before training resumes;
+5. the replica's results are gathered in group order (= prompt order) on the rank ``call_dp`` reads.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from rlkit.parallel import ParallelModel
+from rlkit.parallel.apply import apply_tp
+from rlkit.parallel.relayout import Resharder
+from rlkit.plan.hybrid import GenerationLayout
+from rlkit.rollout import Rollout, make_engine
+
+
+class HybridRollout:
+    """The rollout side of one rank under ``Rollout(tp=t_g)``; see the module docstring.
+
+    >>> hr = HybridRollout(model_path, actor, GenerationLayout(plan, tp=2), rollout)  # doctest: +SKIP
+    >>> hr.generate(chunk, seed, P, R)  # every rank; the batch on the replica's collector rank  # doctest: +SKIP
+    """
+
+    def __init__(self, model_path: str, actor: ParallelModel, layout: GenerationLayout, rollout: Rollout):
+        self.actor, self.layout, self.rollout = actor, layout, rollout
+        self.rank = actor.rank
+        self.resharder = Resharder(actor, layout)
+        c = layout.coords(self.rank)
+        self.group_index, self.gen_tp = c["group"], c["gen_tp"]
+        plan = layout.plan
+        self.collector = plan.rank(dp=c["dp"], tp=0, pp=plan.pp - 1)
+        # the replica's ranks (all tp x pp of one dp index): results are gathered inside it
+        self.replica_group = None
+        for d in range(plan.dp):  # new_group is collective: every rank makes every group, in order
+            ranks = sorted(r for r in range(plan.world_size) if plan.coords(r)["dp"] == d)
+            g = dist.new_group(ranks)
+            if d == c["dp"]:
+                self.replica_group, self.replica_ranks = g, ranks
+        engine = rollout.engine
+        if engine == "auto":
+            from rlkit.rollout import vllm_available
+
+            engine = "vllm" if vllm_available() else "hf"
+        self.kind = engine
+        if engine == "vllm":
+            self.engine = make_engine(rollout, model_path)  # holds its own copy; loaded after each reshard
+            self.shell = None
+        else:
+            from transformers import AutoTokenizer
+
+            from rlkit.rollout.hf import HFEngine
+
+            self.shell, self.slots = _engine_shell(model_path, actor, layout.tp, self.resharder.tp_mesh)
+            self.engine = HFEngine(self.shell, AutoTokenizer.from_pretrained(model_path), rollout)
+            self.engine.device = actor.device
+        self.last_sync: dict[str, float] = {"bytes": 0.0, "seconds": 0.0, "peak_param_bytes": 0.0}
+
+    @torch.no_grad()
+    def generate(self, batch: dict[str, Any], seed: int, P: int, R: int, **overrides: Any) -> dict[str, Any] | None:
+        """Reshard, generate this group's slice of ``batch`` (the replica's prompts), release, gather."""
+        from rlkit.workers.batch import concat_batches
+        from rlkit.workers.rl import rollout_to_batch
+
+        shards, stats = self.resharder.reshard()
+        try:
+            t0 = time.perf_counter()
+            if self.shell is not None:
+                _install(self.slots, shards)
+            else:
+                self.engine.load_weights(shards.items())
+            stats["load_seconds"] = time.perf_counter() - t0
+            sl = self.layout.prompt_slices(len(batch["prompt"]))[self.group_index]
+            part = None
+            if sl.stop > sl.start:
+                sub = {k: list(batch[k])[sl] for k in ("prompt", "uid", "row")}
+                # the replica's seed, and each prompt's place in the replica's chunk: the samples are the
+                # ones a single engine for the whole chunk would draw
+                part = rollout_to_batch(self.engine, sub, seed, P, R, first_index=sl.start, **overrides)
+        finally:
+            if self.shell is not None:
+                _uninstall(self.slots)
+            self.resharder.release()
+        stats["seconds"] = stats["seconds"] + stats["load_seconds"]
+        self.last_sync = stats
+        # one copy per generation group (its gen_tp == 0 rank) goes to the collector, in group order
+        mine = (self.group_index, part) if self.gen_tp == 0 else None
+        box: list[Any] = [None] * len(self.replica_ranks) if self.rank == self.collector else None
+        dist.gather_object(mine, box, dst=self.collector, group=self.replica_group)
+        if self.rank != self.collector:
+            return None
+        parts = [p for _, p in sorted(x for x in box if x is not None) if p is not None]
+        out = concat_batches(parts)
+        out["timing"] = max(p["timing"] for p in parts)
+        return out
+
+    def close(self) -> None:
+        if self.shell is None:
+            self.engine.close()
+        self.engine = self.shell = None
+
+
+def _engine_shell(model_path: str, actor: ParallelModel, tg: int, tp_mesh) -> tuple[nn.Module, list]:
+    """The HF model the engine runs, built on meta and laid out for ``tg``-way TP; its parameters are
+    slots that ``_install`` fills with the generation shard (and ``_uninstall`` empties)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(str(model_path))
+    dtype = next(iter(actor.params)).dtype
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if tied:
+        shell.lm_head.weight = shell.model.embed_tokens.weight
+    if tg > 1:
+        apply_tp(shell, tp_mesh, config)
+    rotary = shell.model.rotary_emb
+    with torch.device(actor.device):
+        shell.model.rotary_emb = type(rotary)(config=config)
+    try:
+        shell.generation_config = GenerationConfig.from_pretrained(str(model_path))
+    except OSError:
+        shell.generation_config = GenerationConfig.from_model_config(config)
+    shell.config.use_cache = True
+    slots = []  # (module, attribute, HF name, meta parameter), each tensor once (a tied lm_head follows)
+    seen: dict[int, str] = {}
+    for mod_name, mod in shell.named_modules():
+        for attr, p in list(mod.named_parameters(recurse=False)):
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            slots.append((mod, attr, seen.get(id(p), name), p))
+            seen.setdefault(id(p), name)
+    return shell.eval(), slots
+
+
+def _install(slots: list, shards: dict[str, torch.Tensor]) -> None:
+    for mod, attr, name, meta in slots:
+        t = shards[name]
+        if isinstance(meta, DTensor):
+            t = DTensor.from_local(t, meta.device_mesh, meta.placements, run_check=False,
+                                   shape=meta.shape, stride=meta.stride())
+        setattr(mod, attr, nn.Parameter(t, requires_grad=False))
+
+
+def _uninstall(slots: list) -> None:
+    for mod, attr, _name, meta in slots:
+        setattr(mod, attr, meta)
