@@ -372,7 +372,8 @@ class Trainer:
         row["tokens_per_s"] = float(gen["attention_mask"].sum()) / row["timing/step"]
         row["sync/bytes"] = max(s["bytes"] for s in sync)
         row["sync/seconds"] = max(s["seconds"] for s in sync)
-        if "peak_param_bytes" in sync[0]:  # the generation layout: parameter memory while generating
+        if "param_bytes" in sync[0]:  # the generation layout: parameter memory while generating
+            row["sync/param_bytes"] = max(s["param_bytes"] for s in sync)
             row["sync/peak_param_bytes"] = max(s["peak_param_bytes"] for s in sync)
         rss = self.group.call("rss_gb", timeout=c.timeout_s)
         if self.rollout_group is not None:

@@ -170,10 +170,12 @@ class GenerationLayout:
         s = self.plan.dp_shard_degree if fsdp and self.plan.dp > 1 else 1
         return 1 / self.tp - 1 / (t * p * s)
 
-    def parameter_fraction(self) -> float:
-        """Peak parameter bytes per rank during generation, over M: the generation shard, 1/t_g (the
-        training shard lies inside it and is not held twice)."""
-        return 1 / self.tp
+    def parameter_fraction(self, fsdp: bool = True) -> float:
+        """Parameter bytes per rank while generating, over M: the generation shard, 1/t_g (the training
+        shard lies inside it and is not held twice). With FSDP sharding (``fsdp`` and S =
+        ``plan.dp_shard_degree`` > 1) the rank's FSDP shard stays allocated too: + 1/(tp*pp*S)."""
+        s = self.plan.dp_shard_degree if fsdp and self.plan.dp > 1 else 1
+        return 1 / self.tp + (1 / (self.plan.tp * self.plan.pp * s) if s > 1 else 0.0)
 
     def __repr__(self) -> str:
         return (f"GenerationLayout(train {self.plan.describe()}; generate tp={self.tp}: {self.engines} engines, "

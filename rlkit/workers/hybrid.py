@@ -68,7 +68,8 @@ class HybridRollout:
             self.shell, self.slots = _engine_shell(model_path, actor, layout.tp, self.resharder.tp_mesh)
             self.engine = HFEngine(self.shell, AutoTokenizer.from_pretrained(model_path), rollout)
             self.engine.device = actor.device
-        self.last_sync: dict[str, float] = {"bytes": 0.0, "seconds": 0.0, "peak_param_bytes": 0.0}
+        self.last_sync: dict[str, float] = {"bytes": 0.0, "seconds": 0.0, "param_bytes": 0.0, "peak_param_bytes": 0.0}
+        self.prompts_generated = 0  # prompts this rank's generation group sampled, over all calls
 
     @torch.no_grad()
     def generate(self, batch: dict[str, Any], seed: int, P: int, R: int, **overrides: Any) -> dict[str, Any] | None:
@@ -88,6 +89,7 @@ class HybridRollout:
             part = None
             if sl.stop > sl.start:
                 sub = {k: list(batch[k])[sl] for k in ("prompt", "uid", "row")}
+                self.prompts_generated += sl.stop - sl.start
                 # the replica's seed, and each prompt's place in the replica's chunk: the samples are the
                 # ones a single engine for the whole chunk would draw
                 part = rollout_to_batch(self.engine, sub, seed, P, R, first_index=sl.start, **overrides)
