@@ -301,6 +301,73 @@ def test_rollout_needs_one_budget():
         estimate_memory(ParallelPlan(dp=4), "llama-3-8b", rollout=dict(tp=3, max_tokens=1))
 
 
+# the tiny llama of rlkit.models.tiny_lm("llama", size="test", vocab_size=256): 4 layers of 64, vocab 260
+TINY_TEST = dict(model_type="llama", vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+
+
+def test_rollout_shard_follows_the_generation_layout():
+    # tp=4 generating with t_g=2: GenerationLayout gives training tp ranks 0, 1 generation shard 0 and
+    # 2, 3 shard 1 (a rank's training chunk lies inside its generation chunk), not rank % 2. An odd
+    # vocab (251 = 126 + 125 rows over 2) makes the two shards differ.
+    model = dict(TINY_LLAMA, num_key_value_heads=4)
+    spec = ModelSpec.from_config(model)
+    df = estimate_memory(ParallelPlan(tp=4), model, precision="bf16", rollout=dict(tp=2, max_tokens=1))
+    rest = spec.num_params - 2 * spec.vocab_size * spec.hidden_size  # layers and norms: even over 2
+    norms = 3 * 2 * 48 + 48
+    shard = [2 * ((rest - norms) // 2 + norms + 2 * rows * 48) for rows in (126, 125)]
+    assert df.rollout_weights.tolist() == [shard[0], shard[0], shard[1], shard[1]]
+
+
+def test_hybrid_engine_reuses_the_training_shard():
+    plan = ParallelPlan(tp=2, pp=2)
+    kw = dict(precision="fp32", seq_len=64)
+    for tg in (1, 2):
+        plain = estimate_memory(plan, TINY_TEST, rollout=dict(tp=tg, dtype="fp32", max_tokens=1000), **kw)
+        hy = estimate_memory(plan, TINY_TEST, rollout=dict(tp=tg, dtype="fp32", max_tokens=1000, hybrid_engine=True),
+                             **kw)
+        # the generation shard is the same; the rank's training weights (all inside it) are not new
+        assert (hy.rollout_weights + hy.weights).tolist() == plain.rollout_weights.tolist()
+        assert hy.kv_cache.tolist() == plain.kv_cache.tolist() == [1000 * 1024 // tg] * 4
+        persistent = hy.weights + hy.grads + hy.optimizer
+        transient = hy.param_buffers + hy.activations + hy.logits
+        # the shard lives only while generating, the KV cache throughout
+        assert hy.total.tolist() == (persistent + hy.kv_cache + transient.combine(hy.rollout_weights, max)).tolist()
+        asleep = estimate_memory(plan, TINY_TEST, rollout=dict(tp=tg, dtype="fp32", max_tokens=1000,
+                                                               hybrid_engine=True, sleep=True), **kw)
+        assert asleep.total.tolist() == (persistent + transient.combine(hy.rollout_weights + hy.kv_cache, max)).tolist()
+    # t_g = 2 on rank 0 (stage 0, tp 0) adds stage 1's half: 2 layers' matrices / 2 + lm_head / 2 + norms
+    assert hy.rollout_weights[0] == 4 * ((2 * 36864 + 260 * 64) // 2 + 2 * 128 + 64) == 182_016
+
+
+def test_hybrid_engine_reuses_nothing_under_fsdp_or_a_cast():
+    gen = estimate_memory(ParallelPlan(tp=2, pp=2), TINY_TEST, precision="fp32",
+                          rollout=dict(tp=2, dtype="fp32", max_tokens=1)).rollout_weights.tolist()
+    # FSDP: the rank keeps its FSDP shard and builds the whole generation shard beside it
+    fsdp = estimate_memory(ParallelPlan(dp=2, tp=2, pp=2), TINY_TEST, precision="fp32",
+                           rollout=dict(tp=2, dtype="fp32", max_tokens=1, hybrid_engine=True))
+    assert fsdp.rollout_weights.tolist() == gen * 2
+    # fp32 master weights, bf16 engine: the cast is a new copy
+    cast = estimate_memory(ParallelPlan(tp=2, pp=2), TINY_TEST, precision="bf16-mixed",
+                           rollout=dict(tp=2, dtype="bf16", max_tokens=1, hybrid_engine=True))
+    assert cast.rollout_weights.tolist() == [g // 2 for g in gen]
+    # peak_memory agrees with the table, uneven vocab included (ranks then reuse different amounts)
+    from rlkit.plan.memory import peak_memory
+
+    for plan, tg in ((ParallelPlan(tp=2, pp=3), 1), (ParallelPlan(dp=3, tp=2, dp_shard="replicate"), 2)):
+        kw = dict(precision="bf16", rollout=dict(tp=tg, max_tokens=100, hybrid_engine=True))
+        assert peak_memory(plan, TINY_LLAMA, **kw)["peak"] == estimate_memory(plan, TINY_LLAMA, **kw).total.max()
+
+
+def test_hybrid_engine_needs_a_generation_layout():
+    with pytest.raises(PlanError, match=r"Rollout\(tp=2\) divides tp\*pp=2 but not the training tp=1"):
+        estimate_memory(ParallelPlan(pp=2), TINY_TEST, rollout=dict(tp=2, max_tokens=1, hybrid_engine=True))
+    # the same rollout as a separate engine (consecutive ranks) is fine
+    estimate_memory(ParallelPlan(pp=2), TINY_TEST, rollout=dict(tp=2, max_tokens=1))
+    with pytest.raises(PlanError, match="hybrid_engine='yes' must be True or False"):
+        RolloutMemory(tp=2, max_tokens=1, hybrid_engine="yes")
+
+
 # ---- fit ---------------------------------------------------------------------------------------------
 def test_fits_and_explain():
     ok = estimate_memory(ParallelPlan(dp=8), "llama-2-7b", flash_attention=True, device_memory="80GB")

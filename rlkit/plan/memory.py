@@ -133,7 +133,9 @@ class RolloutMemory:
     """A rollout engine (vLLM-style) colocated on the training devices.
 
     Args:
-        tp: the engine's tensor-parallel size (consecutive ranks form one engine).
+        tp: the engine's tensor-parallel size t_g. When t_g divides the training tp, ranks form engines
+            as ``rlkit.plan.hybrid.GenerationLayout`` groups them (rlkit's ``Rollout(tp=t_g)``) and a rank
+            holds generation shard ``gen_tp``; otherwise consecutive ranks form one engine.
         dtype: weight dtype of the engine ("bf16", "fp16", "fp32", "fp8").
         kv_dtype: KV-cache dtype (default: ``dtype``).
         max_tokens: KV cache sized for this many tokens per engine (e.g. max_num_seqs x max_model_len).
@@ -141,6 +143,17 @@ class RolloutMemory:
             the engine's weights and KV cache (needs ``device_memory``).
         sleep: the engine frees weights and KV cache while training runs (vLLM sleep mode, verl's
             ``free_cache_engine``): the peak is then the larger of the training and rollout phases.
+        hybrid_engine: the 3D-HybridEngine (HybridFlow; ``rlkit.parallel.relayout.Resharder``): the
+            engine's weights are the actor's, resharded into the generation layout before each
+            generation and dropped after it, so they never coexist with training's transient memory.
+            Without FSDP sharding (``plan.dp_shard_degree == 1``) a rank's training shard lies inside
+            its generation shard and is reused in place: ``rollout_weights`` counts only what it
+            lacks (the generation shard minus its training shard). Needs ``tp`` dividing the training
+            tp, and reuses memory only when ``dtype`` has the stored parameters' width (a cast is a
+            new copy); under FSDP the rank's shard stays allocated, so nothing is reused.
+
+    >>> RolloutMemory(tp=2, max_tokens=4096, hybrid_engine=True).hybrid_engine
+    True
     """
 
     tp: int = 1
@@ -149,6 +162,7 @@ class RolloutMemory:
     max_tokens: int | None = None
     kv_dtype: str | None = None
     sleep: bool = False
+    hybrid_engine: bool = False
 
     def __post_init__(self) -> None:
         _pos_int("rollout tp", self.tp)
@@ -160,6 +174,8 @@ class RolloutMemory:
             raise PlanError(f"rollout gpu_memory_utilization={u!r} must be a fraction in (0, 1]")
         if self.max_tokens is not None:
             _pos_int("rollout max_tokens", self.max_tokens)
+        if not isinstance(self.hybrid_engine, bool):
+            raise PlanError(f"rollout hybrid_engine={self.hybrid_engine!r} must be True or False")
         if (u is None) == (self.max_tokens is None):
             raise PlanError("a rollout needs exactly one of max_tokens=N (KV cache for N tokens) or "
                             "gpu_memory_utilization=F (fill F x device_memory, as vLLM does)")
@@ -173,7 +189,7 @@ class RolloutMemory:
                 return cls(**value)
             except TypeError as e:
                 raise PlanError(f"rollout={value!r}: {e}; fields are tp, dtype, kv_dtype, max_tokens, "
-                                f"gpu_memory_utilization, sleep") from None
+                                f"gpu_memory_utilization, sleep, hybrid_engine") from None
         raise PlanError(f"rollout={value!r} must be None, a dict or a RolloutMemory")
 
 
@@ -212,6 +228,57 @@ def _root_tensors(spec: ModelSpec, pp: int, tp: int, pp_rank: int, role: str,
             # with pp == 1 a tied model holds one matrix, also under TP (apply_tp re-ties the shards)
             out.append(("lm_head", v, h, vdim))
     return out
+
+
+def _owned_tensors(spec: ModelSpec, plan: ParallelPlan) -> list[list[tuple[tuple, int]]]:
+    """Per pipeline rank: ``(tensors, count)`` of the parameters it owns *once* in HF's naming, as
+    ``ParallelModel._param_meta`` lists them for resharding: its decoder layers and its root tensors,
+    but not a tied embedding's last-stage copy (pp > 1), which is training-only: the generation
+    layout's lm_head is the embedding."""
+    pp = plan.pp
+    layers = [0] * pp
+    for st, rng in enumerate(plan.stage_layers(spec.num_layers)):
+        layers[st % pp] += len(rng)
+    layer_t = tuple(_layer_tensors(spec))
+    out = []
+    for p in range(pp):
+        root = tuple(x for x in _root_tensors(spec, pp, plan.tp, p, "actor", True)
+                     if not (spec.tie_word_embeddings and x[0] == "lm_head"))
+        out.append([(layer_t, layers[p]), (root, 1)])
+    return out
+
+
+def _overlap(n: int, a: int, i: int, b: int, j: int) -> int:
+    """Length of the intersection of ``torch.chunk`` piece ``i`` of ``a`` and piece ``j`` of ``b`` of
+    a dim of length ``n`` (a training TP chunk inside a generation TP chunk)."""
+    ca, cb = -(-n // a), -(-n // b)
+    lo, hi = max(i * ca, j * cb), min(min((i + 1) * ca, n), min((j + 1) * cb, n))
+    return max(0, hi - lo)
+
+
+def _split(d0: int, d1: int, tp_dim: int | None) -> tuple[int, int]:
+    """(length of the TP-split dim, product of the other dims) of a tensor."""
+    return (d0, d1) if tp_dim == 0 else (d1, d0)
+
+
+def _reused_by_generation(spec: ModelSpec, plan: ParallelPlan, rollout_tp: int, pp_rank: int,
+                          tp_rank: int) -> int:
+    """Elements of a rank's training shard that lie inside its generation shard (3D-HybridEngine):
+    all of its stage's TP-local parameters but a tied embedding's last-stage copy (of an unevenly split
+    dim, the overlap of the two ``torch.chunk`` pieces). Without FSDP the Resharder keeps them in place
+    (aliased, or copied into their slot and the training storage released), so generating adds only
+    the rest of the generation shard."""
+    k = plan.tp // rollout_tp
+    g = tp_rank // k
+    n_el = 0
+    for tensors, count in _owned_tensors(spec, plan)[pp_rank]:
+        for _name, d0, d1, td in tensors:
+            if td is None:
+                n_el += d0 * d1 * count
+            else:
+                n, other = _split(d0, d1, td)
+                n_el += _overlap(n, plan.tp, tp_rank, rollout_tp, g) * other * count
+    return n_el
 
 
 @dataclass
@@ -383,8 +450,19 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     engine's tp (same tensor split, no DP sharding); KV cache per device, vLLM-style:
     ``2 x layers x kv_heads x head_dim x kv_dtype_bytes / tp`` bytes per token
     (``ModelSpec.kv_bytes_per_token``; KV heads are replicated when tp > kv_heads, as vLLM does)
-    times ``max_tokens``, or ``gpu_memory_utilization x device_memory - rollout_weights``.
-    ``total`` adds both to the training peak, or with ``sleep=True`` takes the larger phase.
+    times ``max_tokens``, or ``gpu_memory_utilization x device_memory`` - the engine's weights.
+    ``total`` adds both to the training peak, or with ``sleep=True`` takes the larger phase. When the
+    rollout tp t_g divides the training tp, a rank holds the generation shard its
+    ``GenerationLayout`` coordinates name (``gen_tp = tp_rank // (tp / t_g)``), and ``max_tokens``
+    is per t_g-way engine (every rank holds 1/t_g of its engine's KV cache).
+
+    **3D-HybridEngine** (``RolloutMemory(hybrid_engine=True)``): the generation shard is the actor's
+    weights resharded (``rlkit.parallel.relayout.Resharder``) and released after generation. Without
+    FSDP sharding and with ``dtype`` as wide as the stored parameters, the rank's training shard is
+    reused in place, so ``rollout_weights`` = generation shard - training shard inside it (exact,
+    from the tensor shapes); otherwise the whole generation shard. ``total`` = persistent +
+    kv_cache + max(transient, rollout_weights), or with ``sleep=True`` persistent + max(transient,
+    rollout_weights + kv_cache): the peak of the training and generation phases.
 
     **Torch comparison hook**: with ``precision="fp32", optimizer="adamw"`` the columns
     ``weights``, ``grads``, ``optimizer`` equal the bytes of the unique storages a real FSDP2 +
@@ -413,6 +491,15 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
         if ro.gpu_memory_utilization is not None and mem is None:
             raise PlanError("rollout gpu_memory_utilization needs device_memory (e.g. device_memory='80GB'), "
                             "or give the rollout max_tokens instead")
+    # which generation shard a rank holds: GenerationLayout's gen_tp when the rollout tp divides the
+    # training tp (rlkit's Rollout(tp=t_g)); consecutive ranks per engine otherwise
+    layout = None
+    if ro is not None and (ro.hybrid_engine or plan.tp % ro.tp == 0):
+        from rlkit.plan.hybrid import GenerationLayout
+
+        layout = GenerationLayout(plan, tp=ro.tp)
+        if ro.hybrid_engine:
+            layout.validate(spec)  # the Resharder needs whole attention and KV heads per rank
 
     prec = PRECISIONS[precision]
     n_states = OPTIMIZERS[optimizer]
@@ -469,12 +556,16 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
             out["logits"] = b * s * vocab_local * 4 * logits_copies * held
         return out
 
-    def rollout_bytes(rt: int) -> dict[str, int]:
+    def rollout_bytes(p: int, t: int, rt: int) -> dict[str, int]:
         if ro is None:
             return dict(rollout_weights=0, kv_cache=0)
         wt = _shard(layer_t, spec.num_layers, ro.tp, rt, 1, 0).local
         wt += _shard(_root_tensors(spec, 1, 1, 0, "actor", True), 1, ro.tp, rt, 1, 0).local
-        weights = wt * _dtype_bytes(ro.dtype, "rollout dtype")
+        wb = _dtype_bytes(ro.dtype, "rollout dtype")
+        weights = engine = wt * wb
+        if ro.hybrid_engine and S == 1 and wb == prec["param"] and "actor" in roles:
+            # the actor's training shard sits inside the generation shard: only the rest is new
+            weights -= _reused_by_generation(spec, plan, ro.tp, p, t) * wb
         kvb = _dtype_bytes(ro.kv_dtype or ro.dtype, "rollout kv_dtype")
         kvh = spec.num_key_value_heads
         per_tok = (spec.kv_bytes_per_token(kvb, ro.tp) if kvh % ro.tp == 0
@@ -482,7 +573,7 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
         if ro.max_tokens is not None:
             kv = ro.max_tokens * per_tok
         else:
-            kv = max(0, int(ro.gpu_memory_utilization * mem) - weights)
+            kv = max(0, int(ro.gpu_memory_utilization * mem) - engine)
         return dict(rollout_weights=weights, kv_cache=kv)
 
     # ranks differ only by pp rank, by tp index where a TP split is uneven, by shard index where an
@@ -502,11 +593,15 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
         row = {c: sum(v[c] for v in per_role.values()) for c in (*_PERSISTENT, "tensors")}
         peak_role = max(roles, key=lambda r: sum(per_role[r][c] for c in _TRANSIENT))
         row.update({c: per_role[peak_role][c] for c in _TRANSIENT})
-        row.update(rollout_bytes(rt))
+        row.update(rollout_bytes(p, t, rt))
         persistent = sum(row[c] for c in _PERSISTENT)
         transient = sum(row[c] for c in _TRANSIENT)
         rolled = sum(row[c] for c in _ROLLOUT)
-        row["total"] = persistent + (max(transient, rolled) if ro is not None and ro.sleep else transient + rolled)
+        if ro is not None and ro.hybrid_engine and not ro.sleep:
+            # the generation shard lives only while generating; the KV cache stays through training
+            row["total"] = persistent + row["kv_cache"] + max(transient, row["rollout_weights"])
+        else:
+            row["total"] = persistent + (max(transient, rolled) if ro is not None and ro.sleep else transient + rolled)
         cache[key] = row
         return row
 
@@ -518,15 +613,20 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
         first_of: dict[int, int] = {}
         for p, n in enumerate(layers_per_rank):
             first_of.setdefault(n, p)
-        stage = max(sorted({0, pp - 1, *first_of.values()}), key=lambda p: rank_bytes(p, 0, 0, 0)["total"])
-        peak = rank_bytes(stage, 0, 0, 0)["total"]
-        return {"peak": peak, "stage": stage, "fits": None if mem is None else peak <= mem}
+        # (with the hybrid engine a rank's rollout weights grow as its training shard shrinks: with an
+        # uneven TP split every tp index is a candidate)
+        ts = range(tp) if ro is not None and ro.hybrid_engine and tp_uneven else (0,)
+        keys = [(p, t, 0, t // layout.k if ro_uneven and layout is not None else 0)
+                for p in sorted({0, pp - 1, *first_of.values()}) for t in ts]
+        best = max(keys, key=lambda key: rank_bytes(*key)["total"])
+        peak = rank_bytes(*best)["total"]
+        return {"peak": peak, "stage": best[0], "fits": None if mem is None else peak <= mem}
     stride = _strides(plan)
     rows = []
     for rank in range(plan.world_size):
         d, t, p = ((rank // stride[k]) % getattr(plan, k) for k in ("dp", "tp", "pp"))
-        r = rank_bytes(p, t if tp_uneven else 0, (d % S) if fs_uneven else 0,
-                       (rank % ro.tp) if ro_uneven else 0)
+        rt = (layout.coords(rank)["gen_tp"] if layout is not None else rank % ro.tp) if ro_uneven else 0
+        r = rank_bytes(p, t if tp_uneven else 0, (d % S) if fs_uneven else 0, rt)
         rows.append((rank, d, t, p, layers_per_rank[p], r["tensors"], *(r[c] for c in COMPONENTS[:3]),
                      *(r[c] for c in COMPONENTS[3:]), r["total"]))
     import pandas as pd
