@@ -1,6 +1,7 @@
 """Plan layer: pure math about a DP x TP x PP layout (no processes, no torch import)."""
 
-from rlkit.plan.comm import BANDWIDTHS, estimate_communication
+from rlkit.plan.comm import BANDWIDTHS, estimate_communication, estimate_resharding
+from rlkit.plan.hybrid import GenerationLayout
 from rlkit.plan.memory import RolloutMemory, compare_memory, estimate_memory, explain_fit, parse_bytes
 from rlkit.plan.schedule import (
     bubble_fraction,
@@ -20,4 +21,4 @@ __all__ = ["ModelSpec", "ParallelPlan", "SCHEDULES", "SHARDING", "as_spec", "bun
            "plot_timeline", "GPUS", "NETWORKS", "estimate_throughput", "estimate_generation",
            "search_plans", "recommend", "plot_plans", "Recommendation",
            "estimate_memory", "explain_fit", "compare_memory", "parse_bytes", "RolloutMemory",
-           "estimate_communication", "BANDWIDTHS"]
+           "estimate_communication", "estimate_resharding", "GenerationLayout", "BANDWIDTHS"]

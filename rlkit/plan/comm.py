@@ -12,6 +12,7 @@ from rlkit.errors import PlanError
 from rlkit.plan.memory import (
     PRECISIONS,
     _check_common,
+    _dtype_bytes,
     _layer_tensors,
     _pos_int,
     _root_tensors,
@@ -78,7 +79,7 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
                            recompute: str | None = None, activation_checkpointing: bool | None = None,
                            vocab_parallel: bool = True, gathered_logits: bool = False,
                            tp_layout: str = "fused", stage: int | None = None,
-                           _rows_only: bool = False) -> pd.DataFrame:
+                           rollout_tp: int | None = None, _rows_only: bool = False) -> pd.DataFrame:
     """Collectives one rank runs per optimizer step: one row per (dim, collective).
 
     Columns: ``dim, collective, group_size, calls_per_step, bytes_per_call`` (the collective's full
@@ -125,6 +126,19 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
     virtual stage on this rank, activations ``micro_batch x seq_len x hidden x compute bytes``
     forward (unless it is the last stage) and their gradient backward (unless it is the first);
     ``/tp`` with ``sequence_parallel``, where each TP rank holds and sends a 1/tp slice.
+
+    **Weight sync** (``rollout_tp=t_g``: the 3D-HybridEngine reshards the actor into generation
+    tensor parallel t_g once per step, before generating): dim "reshard" rows, "all-gather (dp)" (with
+    FSDP sharding: each parameter's TP-local piece gathered inside the DP group) and "broadcast
+    (micro-dp)" (inside the micro-DP group of ``tp*pp/t_g`` ranks), in the stored parameter dtype.
+    ``bytes_per_step`` is what the stage's most-receiving rank receives, exactly as
+    :func:`estimate_resharding` counts it; ``bytes_per_call`` the average message (the gathered
+    piece, the broadcast piece).
+
+    >>> from rlkit.plan import ParallelPlan
+    >>> df = ParallelPlan(tp=2, pp=2).communication("qwen2.5-0.5b", rollout_tp=1)
+    >>> df[df.dim == "reshard"].collective.tolist()
+    ['broadcast (micro-dp)']
     """
     spec, s, b = _check_common(plan, model, seq_len, micro_batch, precision)
     full_recompute = recompute_mode(recompute, activation_checkpointing) == "full"
@@ -159,6 +173,7 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
         layers_per_rank[st % pp] += len(rng)
 
     links = _links(plan, per, S)
+    layout = _reshard_layout(plan, spec, rollout_tp) if rollout_tp is not None else None
 
     def rows_of(p: int) -> list[dict]:
         L = layers_per_rank[p]
@@ -214,6 +229,8 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
             rows.append(dict(dim=dim, collective=coll, group_size=n, calls_per_step=calls,
                              bytes_per_call=total // calls, bytes_per_step=wire, link=link,
                              bandwidth=bw[link], time_s=wire / bw[link]))
+        if layout is not None:
+            rows += _reshard_rows(spec, plan, layout, prec["param"], p, links, per, bw)
         return rows
 
     if stage is None:
@@ -275,3 +292,190 @@ def _links_uncached(plan: ParallelPlan, per: int, S: int) -> dict[tuple[str, str
             ("dp", "all-reduce"): kind(replica if plan.dp_shard == "hybrid_shard" else dp_groups),
             ("tp", "all-reduce"): tp_kind, ("tp", "all-gather"): tp_kind, ("tp", "reduce-scatter"): tp_kind,
             ("pp", "send/recv"): kind(pairs)}
+
+
+# ---- 3D-HybridEngine resharding: training layout -> generation layout -------------------------------
+def _reshard_layout(plan: ParallelPlan, spec: Any, rollout_tp: Any) -> Any:
+    """The checked ``GenerationLayout``, with the Resharder's own refusal of an uneven vocab split."""
+    from rlkit.plan.hybrid import GenerationLayout
+
+    layout = GenerationLayout(plan, tp=rollout_tp).validate(spec)
+    if layout.k > 1 and spec.vocab_size % plan.tp:
+        raise PlanError(f"Rollout(tp={rollout_tp}) with training tp={plan.tp}: vocab_size={spec.vocab_size} does "
+                        f"not divide by tp={plan.tp}, so the generation and training vocab splits disagree; "
+                        f"use Rollout(tp={plan.tp})")
+    return layout
+
+
+def _broadcasts(owned: list, plan: ParallelPlan, tg: int, p: int, t: int) -> tuple[int, int, int, int]:
+    """What rank (pp ``p``, tp ``t``) sees of the micro-DP broadcasts, in elements: ``(received,
+    calls, elements broadcast, generation shard)``. Mirrors ``Resharder.reshard``, per parameter of
+    owner stage ``o``: a replicated tensor (norm, row-parallel bias) is broadcast whole by the first
+    owner-stage member (training tp ``g*k``), and every other member receives it, other owner-stage
+    members too; a sharded one is broadcast as the ``k`` training pieces of generation chunk ``g``,
+    and a rank receives all but its own."""
+    from rlkit.plan.memory import _chunk, _overlap, _split
+
+    k = plan.tp // tg
+    g, d = t // k, plan.tp * plan.pp // tg
+    received = calls = sent = gen = 0
+    for o, stage in enumerate(owned):
+        for tensors, count in stage:
+            for _name, d0, d1, td in tensors:
+                if td is None:
+                    chunk, pieces = d0 * d1, 1
+                    mine = chunk if (o == p and t % k == 0) else 0  # only the source already has it
+                else:
+                    n, other = _split(d0, d1, td)
+                    chunk, pieces = _chunk(n, tg, g) * other, k
+                    mine = _overlap(n, plan.tp, t, tg, g) * other if o == p else 0
+                gen += chunk * count
+                if d > 1:
+                    received += (chunk - mine) * count
+                    calls += pieces * count
+                    sent += chunk * count
+    return received, calls, sent, gen
+
+
+def _stage_tensors(spec: Any, plan: ParallelPlan, p: int) -> tuple[list, tuple]:
+    """(layer tensors, root tensors) that pipeline rank ``p`` trains, its tied lm_head copy included."""
+    from rlkit.plan.memory import _layer_tensors, _root_tensors
+
+    return _layer_tensors(spec), tuple(_root_tensors(spec, plan.pp, plan.tp, p, "actor", True))
+
+
+def _reshard_ranks(spec: Any, plan: ParallelPlan, layout: Any, nbytes: int) -> Any:
+    """A function ``(p, t, j) -> dict`` of one rank's resharding bytes (memoised): pipeline rank ``p``,
+    tp index ``t``, FSDP shard index ``j``."""
+    from rlkit.plan.memory import _owned_tensors
+
+    owned = _owned_tensors(spec, plan)
+    S = plan.dp_shard_degree if plan.dp > 1 else 1
+    tied_copy = spec.tie_word_embeddings and plan.pp > 1
+    layers = [count for (_t, count), _root in owned]
+    cache: dict[tuple[int, int, int], dict[str, int]] = {}
+    bcast: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+
+    def rank(p: int, t: int, j: int) -> dict[str, int]:
+        if (p, t, j) in cache:
+            return cache[(p, t, j)]
+        if (p, t) not in bcast:
+            bcast[(p, t)] = _broadcasts(owned, plan, layout.tp, p, t)
+        received, calls, sent, gen = bcast[(p, t)]
+        layer_t, root_t = _stage_tensors(spec, plan, p)
+        lay, root = _shard(layer_t, layers[p], plan.tp, t, S, j), _shard(root_t, 1, plan.tp, t, S, j)
+        head = tuple(x for x in root_t if x[0] == "lm_head") if tied_copy else ()
+        copy = _shard(head, 1, plan.tp, t, S, j)  # a tied embedding's last-stage copy (else nothing)
+        gather, gathers, held = 0, 0, 0
+        if S > 1:
+            # step 1: each parameter's TP-local piece is all-gathered inside the DP group (the tied copy
+            # is not resharded); the FSDP shards stay allocated while generating
+            gather = (lay.local - lay.actual) + (root.local - root.actual) - (copy.local - copy.actual)
+            gathers = lay.tensors + root.tensors - copy.tensors
+            held = lay.padded + root.padded
+        else:
+            held = copy.local  # the training shard is the generation shard, but for a tied copy
+        out = {"fsdp_gather_bytes": gather * nbytes, "broadcast_bytes": received * nbytes,
+               "received_bytes": (gather + received) * nbytes, "generation_param_bytes": (gen + held) * nbytes,
+               "gather_calls": gathers, "gather_message_bytes": (lay.local + root.local - copy.local) * nbytes,
+               "broadcast_calls": calls, "broadcast_message_bytes": sent * nbytes}
+        cache[(p, t, j)] = out
+        return out
+
+    return rank
+
+
+def estimate_resharding(plan: ParallelPlan, model: Any, rollout_tp: int, *, dtype: str = "fp32",
+                        devices_per_node: int | None = None, intra_node_bw: Any = "nvlink",
+                        inter_node_bw: Any = "ib") -> pd.DataFrame:
+    """Bytes each rank receives when the actor reshards from ``plan`` into the generation layout of
+    rollout tensor parallel ``rollout_tp`` (3D-HybridEngine), and what it holds while generating.
+
+    One row per rank: ``rank, dp, tp, pp, gen_group, gen_tp`` (``GenerationLayout.table``'s
+    coordinates), ``fsdp_gather_bytes`` (step 1: the TP-local piece gathered inside the DP group, only
+    with FSDP sharding S = ``plan.dp_shard_degree`` > 1), ``broadcast_bytes`` (step 2: inside the
+    micro-DP group), ``received_bytes`` (their sum), ``received_formula`` (HybridFlow's Table 2:
+    ``(tp*pp - t_g)/(t_g*tp*pp) * M``, or with S > 1 ``M/t_g - M/(tp*pp*S)``), ``generation_param_bytes``
+    (parameter storage alive while generating), ``param_formula`` (``M/t_g``, + ``M/(tp*pp*S)`` with
+    S > 1), ``link`` of the micro-DP broadcasts ("intra"/"inter" node, as in
+    :func:`estimate_communication`) and ``seconds`` (each step's bytes over its link's bandwidth, a
+    lower bound). ``M`` = the model's unique parameters x ``dtype`` bytes (``df.attrs["model_bytes"]``).
+
+    **Exact counts**, from the tensor shapes, of what ``rlkit.parallel.relayout.Resharder`` moves
+    (training dtype ``dtype``; FSDP shards as ``torch.chunk`` pieces of the TP-local tensor's dim 0):
+    per parameter of owner stage o, a replicated tensor (norm, row-parallel bias) is broadcast by the
+    first owner-stage member of the micro-DP group and received by all the others, including other
+    owner-stage members that already hold it; a sharded tensor's generation chunk (1/t_g of the split
+    dim) arrives as its k = tp/t_g training pieces, of which a rank receives all but its own (all k
+    off its own stage). A tied embedding is resharded once (the generation lm_head is the embedding);
+    with pp > 1 the last stage's copy is training-only and stays allocated. So the formula's gap is
+    the replicated tensors (whole, not 1/t_g) and, across stages, uneven stage sizes.
+
+    >>> from rlkit.plan import ParallelPlan
+    >>> df = estimate_resharding(ParallelPlan(tp=2, pp=2), "llama-2-7b", rollout_tp=2)
+    >>> df[["rank", "gen_group", "gen_tp"]].values.tolist()
+    [[0, 0, 0], [1, 0, 1], [2, 1, 0], [3, 1, 1]]
+    >>> (df.received_bytes / df.received_formula).round(3).tolist()
+    [1.0, 1.0, 1.0, 1.0]
+    """
+    from rlkit.plan.spec import as_spec
+    from rlkit.plan.topology import ParallelPlan
+
+    if not isinstance(plan, ParallelPlan):
+        raise PlanError(f"plan={plan!r} must be a ParallelPlan")
+    spec = as_spec(model)
+    plan.validate(model=spec)
+    layout = _reshard_layout(plan, spec, rollout_tp)
+    nbytes = _dtype_bytes(dtype, "dtype")
+    per = devices_per_node or plan.devices_per_node or plan.world_size
+    _pos_int("devices_per_node", per)
+    bw = {"intra": bandwidth(intra_node_bw, "intra_node_bw"), "inter": bandwidth(inter_node_bw, "inter_node_bw")}
+    S = plan.dp_shard_degree if plan.dp > 1 else 1
+    link = "inter" if _spans_nodes(layout.micro_dp_groups(), per) else "intra"
+    dp_link = _links(plan, per, S)[("dp", "all-gather")]
+    M = spec.num_params * nbytes
+    received_formula = layout.received_fraction() * M
+    param_formula = layout.parameter_fraction() * M
+    rank_bytes = _reshard_ranks(spec, plan, layout, nbytes)
+    rows = []
+    for r in range(plan.world_size):
+        c, g = plan.coords(r), layout.coords(r)
+        b = rank_bytes(c["pp"], c["tp"], c["dp"] % S)
+        seconds = b["fsdp_gather_bytes"] / bw[dp_link] + b["broadcast_bytes"] / bw[link]
+        rows.append((r, c["dp"], c["tp"], c["pp"], g["dp"] * layout.micro_dp + g["group"], g["gen_tp"],
+                     b["fsdp_gather_bytes"], b["broadcast_bytes"], b["received_bytes"], received_formula,
+                     b["generation_param_bytes"], param_formula, link, seconds))
+    import pandas as pd
+
+    df = pd.DataFrame(rows, columns=["rank", "dp", "tp", "pp", "gen_group", "gen_tp", "fsdp_gather_bytes",
+                                     "broadcast_bytes", "received_bytes", "received_formula",
+                                     "generation_param_bytes", "param_formula", "link", "seconds"])
+    df.attrs.update(model=spec.name, plan=plan.describe(), rollout_tp=layout.tp, dtype=dtype, model_bytes=M,
+                    micro_dp=layout.micro_dp, engines=layout.engines, devices_per_node=per,
+                    max_received_bytes=int(df["received_bytes"].max()), max_seconds=float(df["seconds"].max()))
+    return df
+
+
+def _reshard_rows(spec: Any, plan: ParallelPlan, layout: Any, nbytes: int, p: int, links: dict,
+                  per: int, bw: dict) -> list[dict]:
+    """``estimate_communication``'s rows for one weight sync of pipeline rank ``p``: the stage's rank
+    that receives the most (tp index, and FSDP shard index at either end)."""
+    S = plan.dp_shard_degree if plan.dp > 1 else 1
+    rank_bytes = _reshard_ranks(spec, plan, layout, nbytes)
+    b = max((rank_bytes(p, t, j) for t in range(plan.tp) for j in sorted({0, S - 1})),
+            key=lambda x: x["received_bytes"])
+    link = "inter" if _spans_nodes(layout.micro_dp_groups(), per) else "intra"
+    rows = []
+    if b["gather_calls"]:
+        rows.append(dict(dim="reshard", collective="all-gather (dp)", group_size=S, calls_per_step=b["gather_calls"],
+                         bytes_per_call=b["gather_message_bytes"] // b["gather_calls"],
+                         bytes_per_step=b["fsdp_gather_bytes"], link=links[("dp", "all-gather")]))
+    if b["broadcast_calls"]:
+        rows.append(dict(dim="reshard", collective="broadcast (micro-dp)", group_size=layout.micro_dp,
+                         calls_per_step=b["broadcast_calls"],
+                         bytes_per_call=b["broadcast_message_bytes"] // b["broadcast_calls"],
+                         bytes_per_step=b["broadcast_bytes"], link=link))
+    for row in rows:
+        row["bandwidth"] = bw[row["link"]]
+        row["time_s"] = row["bytes_per_step"] / row["bandwidth"]
+    return rows
