@@ -83,6 +83,42 @@ def test_512_rank_widget_colours_every_group_apart():
     assert "75-79" in view.details.value and "[504, 505, 506, 507, 508, 509, 510, 511]" in view.details.value
 
 
+def test_generation_layout_beside_the_training_one():
+    from rlkit.plan.hybrid import GenerationLayout
+
+    plan = ParallelPlan(dp=2, tp=4, pp=2)
+    lay = GenerationLayout(plan, tp=2)  # k = 2: training tp ranks 0,1 -> gen shard 0; groups strided
+    view = PlanView(plan, rollout_tp=2)
+    assert [v for _, v in view.dim_buttons.options] == ["dp", "tp", "pp", "gen"]
+    view.dim_buttons.value = "gen"
+    engine = {r: i for i, g in enumerate(lay.generation_groups()) for r in g}
+    for a, b in itertools.combinations(range(plan.world_size), 2):
+        assert (view.color_of(a) == view.color_of(b)) == (engine[a] == engine[b]), (a, b)
+    assert view.color_of(0) == view.color_of(2) != view.color_of(1)  # engine 0 is ranks [0, 2]
+    assert "8 generation groups of 2" in view.legend.value
+    # rank 5: dp 1, tp 1, pp 0 -> generation group 1 + 4 * dp = 5, shard 0, micro-DP group of 4
+    assert lay.coords(5) == {"dp": 1, "group": 1, "gen_tp": 0}
+    tip = view.cells[5].tooltip
+    assert "generation group #5: [5, 7]" in tip and "gen_tp (generation shard): 0 of 2" in tip
+    assert "micro-DP group: [4, 5, 12, 13]" in tip
+    view.cells[5].click()
+    assert "generation group #5" in view.details.value and "[4, 5, 12, 13]" in view.details.value
+    view.dim = "tp"  # the training dims still work
+    _assert_colours_follow_groups(plan, view.color_of, "tp")
+    # the HTML fallback: cells coloured by generation group, the layout in the hover text
+    text = plan_html(plan, dim="gen", rollout_tp=2)
+    cells = re.findall(r"<td title=\"([^\"]*)\" style='[^']*background:([^']*)'>(\d+)</td>", text)
+    colour = {int(r): bg for _, bg, r in cells}
+    for g in lay.generation_groups():
+        assert len({colour[r] for r in g}) == 1
+    assert len(set(colour.values())) == 8 and "8 generation groups of 2 (rollout tp=2)" in text
+    assert "cells coloured by <b>generation</b> group" in text
+    with pytest.raises(PlanError, match="dim='gen' .* pass rollout_tp=t_g"):
+        PlanView(plan, dim="gen")
+    with pytest.raises(PlanError, match=r"Rollout\(tp=3\)"):
+        plan_html(plan, rollout_tp=3)
+
+
 # ---- static fallbacks ------------------------------------------------------------------------------
 def test_html_fallback_has_every_rank_coloured_by_group():
     plan = ParallelPlan(**BIG)

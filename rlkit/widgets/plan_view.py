@@ -13,6 +13,9 @@ the machines this runs on are often offline.
 True
 >>> "title=" in plan_html(plan)              # the HTML fallback carries hover text too
 True
+>>> gen = PlanView(plan, rollout_tp=1, dim="gen")   # the 3D-HybridEngine's generation groups
+>>> gen.color_of(0) == gen.color_of(1)      # t_g = 1: every rank is its own engine
+False
 """
 
 from __future__ import annotations
@@ -45,7 +48,11 @@ DIM_HELP = {
           "activations to the next stage; micro-batches keep the stages busy.",
     "dp": "Data parallel: the ranks of a group hold the same layers and see different data; they "
           "average gradients once per step (and shard weights/optimizer state with FSDP).",
+    "gen": "Generation (3D-HybridEngine): the same ranks generate with tensor parallel t_g and no pipeline; "
+           "each group is one engine on a share of its DP replica's prompts, and before generating the "
+           "ranks holding the same generation shard (a micro-DP group) gather it from their training shards.",
 }
+GEN = "gen"  # the generation-layout pseudo dimension (needs rollout_tp)
 # Wider than a node in the grid view is hard to read: wrap a node over several rows past this.
 MAX_COLUMNS = 16
 
@@ -67,7 +74,7 @@ class _RankFacts:
     """Everything the grid shows, computed once per plan: O(world_size), fast for 512 ranks."""
 
     def __init__(self, plan: ParallelPlan, model: Any = None, devices_per_node: int | None = None,
-                 cluster: Any = None) -> None:
+                 cluster: Any = None, rollout_tp: int | None = None) -> None:
         self.plan = plan
         self.per = int(devices_per_node or getattr(cluster, "devices_per_node", None) or plan.devices_per_node
                        or plan.world_size)
@@ -83,6 +90,25 @@ class _RankFacts:
                 for r in g:
                     index[r] = i
             self.groups[dim], self.group_index[dim] = groups, index
+        self.layout = None
+        if rollout_tp is not None:
+            from rlkit.plan.hybrid import GenerationLayout
+
+            self.layout = GenerationLayout(plan, tp=rollout_tp)
+            if model is not None:
+                self.layout.validate(model)
+            self.groups[GEN] = self.layout.generation_groups()
+            self.gen = [self.layout.coords(r) for r in range(self.n)]
+            self.micro = self.layout.micro_dp_groups()
+            self.micro_index = [0] * self.n
+            index = [0] * self.n
+            for i, g in enumerate(self.groups[GEN]):
+                for r in g:
+                    index[r] = i
+            for i, g in enumerate(self.micro):
+                for r in g:
+                    self.micro_index[r] = i
+            self.group_index[GEN] = index
         self.model_name, self.stage_layers = None, None
         if model is not None:
             from rlkit.plan.spec import as_spec
@@ -107,9 +133,28 @@ class _RankFacts:
             out.append((label, ranks))
         return out
 
+    @property
+    def dims(self) -> tuple[str, ...]:
+        return DIMS + ((GEN,) if self.layout is not None else ())
+
+    def size(self, dim: str) -> int:
+        return self.layout.tp if dim == GEN else self.plan.size(dim)
+
     def summary(self) -> list[str]:
-        """'64 TP groups of 8' for each dim."""
-        return [f"{len(self.groups[d])} {d.upper()} groups of {self.plan.size(d)}" for d in ("tp", "pp", "dp")]
+        """'64 TP groups of 8' for each dim (and the generation groups with a rollout tp)."""
+        out = [f"{len(self.groups[d])} {d.upper()} groups of {self.plan.size(d)}" for d in ("tp", "pp", "dp")]
+        if self.layout is not None:
+            out.append(f"{len(self.groups[GEN])} generation groups of {self.layout.tp} (rollout tp={self.layout.tp})")
+        return out
+
+    def _gen_lines(self, rank: int) -> list[tuple[str, str]]:
+        """(label, value) of a rank's place in the generation layout."""
+        if self.layout is None:
+            return []
+        g = self.gen[rank]
+        return [(f"generation group #{self.group_index[GEN][rank]}", _short_list(self._members(rank, GEN))),
+                ("gen_tp (generation shard)", f"{g['gen_tp']} of {self.layout.tp}"),
+                ("micro-DP group", _short_list(self.micro[self.micro_index[rank]]))]
 
     def tooltip(self, rank: int) -> str:
         c = self.coords[rank]
@@ -119,6 +164,7 @@ class _RankFacts:
             lines.append(f"layers {self.stage_layers[c['pp']]} (stage {c['pp']})")
         for d in ("tp", "pp", "dp"):
             lines.append(f"{d.upper()} group: {_short_list(self._members(rank, d))}")
+        lines += [f"{k}: {v}" for k, v in self._gen_lines(rank)]
         return "\n".join(lines)
 
     def details_html(self, rank: int) -> str:
@@ -131,6 +177,7 @@ class _RankFacts:
                          f"{self.stage_layers[c['pp']]} (pipeline stage {c['pp']})"))
         for d in ("tp", "pp", "dp"):
             rows.append((f"{d.upper()} group #{self.group_index[d][rank]}", _short_list(self._members(rank, d))))
+        rows += self._gen_lines(rank)
         body = "".join(f"<tr><td style='padding:1px 8px 1px 0;color:#555'>{k}</td><td>{v}</td></tr>"
                        for k, v in rows)
         return f"<table style='font-size:12px'>{body}</table>"
@@ -146,24 +193,36 @@ def _grid_columns(per: int) -> int:
     return max((d for d in range(8, MAX_COLUMNS + 1) if per % d == 0), default=MAX_COLUMNS)
 
 
-def _check_view_dim(dim: str) -> None:
-    if dim not in DIMS:
-        raise PlanError(f"dim={dim!r} is not a parallel dimension; choose one of {list(DIMS)}")
+def _check_view_dim(dim: str, facts: _RankFacts | None = None) -> None:
+    if dim == GEN and (facts is None or facts.layout is None):
+        raise PlanError("dim='gen' colours ranks by generation group and needs the rollout tensor parallel "
+                        "size: pass rollout_tp=t_g, e.g. PlanView(plan, rollout_tp=2, dim='gen')")
+    if dim not in DIMS + (GEN,):
+        ok = list(facts.dims) if facts is not None else list(DIMS)
+        raise PlanError(f"dim={dim!r} is not a parallel dimension; choose one of {ok}")
+
+
+def _dim_name(dim: str) -> str:
+    return "generation" if dim == GEN else dim.upper()
 
 
 # ---- the rank grid: static HTML --------------------------------------------------------------------
 def plan_html(plan: ParallelPlan, dim: str = "tp", model: Any = None, devices_per_node: int | None = None,
-              cluster: Any = None) -> str:
+              cluster: Any = None, rollout_tp: int | None = None) -> str:
     """The rank grid as self-contained HTML (inline styles, hover text in ``title``): the fallback
-    that renders without a widget frontend.
+    that renders without a widget frontend. With ``rollout_tp`` the hover text also gives each
+    rank's generation group, shard (``gen_tp``) and micro-DP group, and ``dim="gen"`` colours the
+    cells by generation group.
 
     >>> from rlkit.plan import ParallelPlan
     >>> html_text = plan_html(ParallelPlan(dp=2, tp=2, pp=2), dim="pp")
     >>> html_text.count("<td title=")
     8
+    >>> "gen_tp (generation shard): 1 of 2" in plan_html(ParallelPlan(tp=2, pp=2), dim="gen", rollout_tp=2)
+    True
     """
-    _check_view_dim(dim)
-    facts = _RankFacts(plan, model, devices_per_node, cluster)
+    facts = _RankFacts(plan, model, devices_per_node, cluster, rollout_tp)
+    _check_view_dim(dim, facts)
     return _grid_html(facts, dim)
 
 
@@ -172,7 +231,7 @@ def _grid_html(facts: _RankFacts, dim: str) -> str:
     cell = ("padding:2px 4px;min-width:26px;text-align:center;border:1px solid #fff;"
             "font:11px monospace;color:#111")
     out = [f"<div style='font-family:sans-serif;font-size:12px'><b>{esc(facts.plan.describe())}</b><br>"
-           f"{' · '.join(facts.summary())}; cells coloured by <b>{dim.upper()}</b> group "
+           f"{' · '.join(facts.summary())}; cells coloured by <b>{_dim_name(dim)}</b> group "
            f"(same colour = same group; hover a cell for details)<br>"]
     for w in facts.plan.placement_warnings(facts.per):
         out.append(f"<span style='color:#b00'>⚠ {esc(w)}</span><br>")
@@ -197,6 +256,10 @@ class PlanView(W.VBox):
     Attributes: ``cells`` (one Button per rank), ``dim_buttons``, ``details``, ``dim`` (settable),
     ``color_of(rank)``, ``select(rank)``.
 
+    ``rollout_tp=t_g`` adds the 3D-HybridEngine's generation layout (``rlkit.plan.hybrid.GenerationLayout``)
+    beside the training one: a "Gen groups" toggle (``dim="gen"``) colours ranks by generation group,
+    and hover text and details give each rank's generation group, ``gen_tp`` and micro-DP group.
+
     >>> from rlkit.plan import ParallelPlan
     >>> view = PlanView(ParallelPlan(dp=4, tp=8, pp=16, devices_per_node=8), model="llama-3-70b")
     >>> len(view.cells), view.dim
@@ -206,19 +269,20 @@ class PlanView(W.VBox):
     """
 
     def __init__(self, plan: ParallelPlan, model: Any = None, dim: str = "tp",
-                 devices_per_node: int | None = None, cluster: Any = None) -> None:
-        _check_view_dim(dim)
+                 devices_per_node: int | None = None, cluster: Any = None, rollout_tp: int | None = None) -> None:
         self.plan = plan
-        self.facts = facts = _RankFacts(plan, model, devices_per_node, cluster)
+        self.facts = facts = _RankFacts(plan, model, devices_per_node, cluster, rollout_tp)
+        _check_view_dim(dim, facts)
         # Every cell shares one Layout and each group one ButtonStyle, all passed in at construction
         # (a default style per Button costs ~1 ms each): a 512-rank grid builds in ~0.1 s, and
         # recolouring only re-points each cell at its group's style.
         cell_layout = W.Layout(width="46px", height="26px", margin="1px", padding="0")
         self._styles: dict[str, list[W.ButtonStyle]] = {}
-        self.dim_buttons = W.ToggleButtons(
-            options=[("DP groups", "dp"), ("TP groups", "tp"), ("PP groups", "pp")], value=dim,
-            tooltips=[DIM_HELP["dp"], DIM_HELP["tp"], DIM_HELP["pp"]],
-            style=W.ToggleButtonsStyle(button_width="90px"))
+        options = [("DP groups", "dp"), ("TP groups", "tp"), ("PP groups", "pp")]
+        if facts.layout is not None:
+            options.append(("Gen groups", GEN))
+        self.dim_buttons = W.ToggleButtons(options=options, value=dim, tooltips=[DIM_HELP[d] for _, d in options],
+                                           style=W.ToggleButtonsStyle(button_width="90px"))
         styles, index = self._group_styles(dim), facts.group_index[dim]
         self.cells = [W.Button(description=str(r), tooltip=facts.tooltip(r), layout=cell_layout,
                                style=styles[index[r]]) for r in range(facts.n)]
@@ -248,7 +312,7 @@ class PlanView(W.VBox):
 
     @dim.setter
     def dim(self, value: str) -> None:
-        _check_view_dim(value)
+        _check_view_dim(value, self.facts)
         self.dim_buttons.value = value  # the observer recolours
 
     def color_of(self, rank: int) -> str:
@@ -271,8 +335,8 @@ class PlanView(W.VBox):
         for r, b in enumerate(self.cells):
             if b.style is not styles[index[r]]:
                 b.style = styles[index[r]]
-        self.legend.value = (f"<span style='font-size:12px'>{len(styles)} {dim.upper()} groups of "
-                             f"{self.plan.size(dim)}. {html.escape(DIM_HELP[dim])}</span>")
+        self.legend.value = (f"<span style='font-size:12px'>{len(styles)} {_dim_name(dim)} groups of "
+                             f"{self.facts.size(dim)}. {html.escape(DIM_HELP[dim])}</span>")
 
 
 def plan_mimebundle(plan: ParallelPlan, **kw: Any) -> dict[str, Any]:
