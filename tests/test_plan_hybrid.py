@@ -183,9 +183,11 @@ def test_bad_rollout_tp_is_a_clear_error():
         estimate_resharding(ParallelPlan(tp=2), TINY, 0)
     with pytest.raises(PlanError, match=r"tp=4 does not divide num_key_value_heads=2"):
         estimate_resharding(ParallelPlan(tp=4), TINY, 2)  # the training plan itself is checked first
-    odd = dict(TINY, vocab_size=259)
-    with pytest.raises(PlanError, match=r"vocab_size=259 does not divide by tp=2.*use Rollout\(tp=2\)"):
-        estimate_resharding(ParallelPlan(tp=2), odd, 1)
+    odd = dict(TINY, vocab_size=259)  # an uneven vocab split: fine when t_g is 1 or the training tp
+    assert len(estimate_resharding(ParallelPlan(tp=2), odd, 1)) == 2
+    wide = dict(odd, num_attention_heads=8, num_key_value_heads=4)  # ... but not in between
+    with pytest.raises(PlanError, match=r"vocab_size=259 does not divide by 4.*choose tp in \{1, 4\}"):
+        estimate_resharding(ParallelPlan(tp=4), wide, 2)
     with pytest.raises(PlanError, match="dtype='fp31'"):
         estimate_resharding(ParallelPlan(tp=2), TINY, 1, dtype="fp31")
     with pytest.raises(PlanError, match="plan="):

@@ -12,7 +12,7 @@ Nothing is held twice. With ``k == 1`` a rank's own piece *is* its generation te
 storage, aliased). With ``k > 1`` the piece is copied into its slot, and the training storage is
 released until ``release()`` copies it back after generation. Replicated tensors (norms) are aliased.
 
->>> rs = Resharder(pm, GenerationLayout(pm.plan, tp=2))     # doctest: +SKIP  (on every rank)
+>>> rs = Resharder(pm, GenerationLayout(pm.plan, tp=2))     # on every rank  # doctest: +SKIP
 >>> shards, stats = rs.reshard()                            # doctest: +SKIP
 >>> stats["bytes"], stats["peak_param_bytes"]               # doctest: +SKIP
 >>> rs.release()                                            # doctest: +SKIP
@@ -81,11 +81,6 @@ class Resharder:
             raise PlanError(f"the generation layout was made for {layout.plan.describe()} but the model "
                             f"trains under {pm.plan.describe()}")
         layout.validate(pm.config)
-        vocab = pm.config.vocab_size
-        if layout.k > 1 and vocab % pm.plan.tp:
-            raise PlanError(f"Rollout(tp={layout.tp}) with training tp={pm.plan.tp}: vocab_size={vocab} does not "
-                            f"divide by tp={pm.plan.tp}, so the generation and training vocab splits disagree; "
-                            f"use Rollout(tp={pm.plan.tp})")
         self.pm, self.layout = pm, layout
         # one DeviceMesh: generation groups along "gen_tp", micro-DP groups along "micro_dp"
         self.mesh = DeviceMesh(pm.device.type, torch.tensor(layout.mesh()),
@@ -132,8 +127,9 @@ class Resharder:
         for name, shape, dtype, owner in pm._param_meta():
             dim = shard_dim(name, pm.config)
             gshape = list(shape)
-            if dim is not None:
-                gshape[dim] //= tg
+            if dim is not None:  # torch.chunk's split, as DTensor's Shard (a vocab may not divide by t_g)
+                c = -(-shape[dim] // tg)
+                gshape[dim] = max(0, min(c, shape[dim] - self.gen_tp * c))
             own = alias = None
             extra = 0  # bytes this parameter adds beyond what is already held
             if owner == pm.pp_rank:
@@ -156,9 +152,11 @@ class Resharder:
             else:
                 out = torch.empty(gshape, dtype=dtype, device=pm.device)
                 extra += _nbytes(out)
-                piece = gshape[dim] // k
+                # the k training chunks inside this generation chunk, as torch.chunk cut them
+                c = -(-shape[dim] // pm.plan.tp)
+                sizes = [max(0, min(c, shape[dim] - (self.gen_tp * k + i) * c)) for i in range(k)]
                 for i, src in enumerate(srcs):
-                    slot = out.narrow(dim, i * piece, piece)
+                    slot = out.narrow(dim, sum(sizes[:i]), sizes[i])
                     if pm.rank == src:
                         slot.copy_(own)
                         buf = slot if slot.is_contiguous() else own.contiguous()
@@ -177,7 +175,8 @@ class Resharder:
                 if own is not None and alias:
                     # the training piece now lives in the generation tensor: release it until release()
                     peak = max(peak, held + extra)
-                    self._release_training(own, out.narrow(dim, srcs.index(pm.rank) * piece, piece))
+                    i = srcs.index(pm.rank)
+                    self._release_training(own, out.narrow(dim, sum(sizes[:i]), sizes[i]))
                     extra -= self._freed[-1][1]
                 elif own is not None:
                     extra -= _nbytes(own)  # a gathered FSDP piece, copied: dropped with this loop

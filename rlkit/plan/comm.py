@@ -296,15 +296,10 @@ def _links_uncached(plan: ParallelPlan, per: int, S: int) -> dict[tuple[str, str
 
 # ---- 3D-HybridEngine resharding: training layout -> generation layout -------------------------------
 def _reshard_layout(plan: ParallelPlan, spec: Any, rollout_tp: Any) -> Any:
-    """The checked ``GenerationLayout``, with the Resharder's own refusal of an uneven vocab split."""
+    """The checked ``GenerationLayout`` (heads, and the vocab split the Resharder can follow)."""
     from rlkit.plan.hybrid import GenerationLayout
 
-    layout = GenerationLayout(plan, tp=rollout_tp).validate(spec)
-    if layout.k > 1 and spec.vocab_size % plan.tp:
-        raise PlanError(f"Rollout(tp={rollout_tp}) with training tp={plan.tp}: vocab_size={spec.vocab_size} does "
-                        f"not divide by tp={plan.tp}, so the generation and training vocab splits disagree; "
-                        f"use Rollout(tp={plan.tp})")
-    return layout
+    return GenerationLayout(plan, tp=rollout_tp).validate(spec)
 
 
 def _broadcasts(owned: list, plan: ParallelPlan, tg: int, p: int, t: int) -> tuple[int, int, int, int]:

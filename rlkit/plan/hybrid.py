@@ -92,6 +92,11 @@ class GenerationLayout:
             if n % self.tp:
                 ok = "{" + ", ".join(map(str, valid_generation_tp(self.plan, model))) + "}"
                 raise PlanError(f"Rollout(tp={self.tp}) does not divide {what}={n}; choose tp in {ok}")
+        if 1 < self.tp < self.plan.tp and spec.vocab_size % self.plan.tp:
+            # torch.chunk of a chunk is not a chunk when sizes do not divide: the splits would disagree
+            raise PlanError(f"Rollout(tp={self.tp}) with training tp={self.plan.tp}: vocab_size={spec.vocab_size} "
+                            f"does not divide by {self.plan.tp}, so the generation and training vocab splits "
+                            f"disagree; choose tp in {{1, {self.plan.tp}}}")
         return self
 
     # ---- sizes ----------------------------------------------------------------------------------
