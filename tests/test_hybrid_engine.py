@@ -10,7 +10,7 @@ import rlkit
 from rlkit.errors import PlanError
 from rlkit.models import tiny_lm
 from rlkit.parallel.launch import launch
-from rlkit.plan import ParallelPlan
+from rlkit.plan import ParallelPlan, estimate_resharding
 from rlkit.plan.hybrid import GenerationLayout, valid_generation_tp
 from rlkit.rollout import RolloutError
 from rlkit.trainer import Trainer, TrainerError
@@ -85,6 +85,11 @@ def _check(rows, plan, nprocs):
               f"held while generating {r['param_bytes'] / m:.4f} M (formula {r['param_formula'] / m:.4f} M), "
               f"transient peak {r['peak_param_bytes'] / m:.4f} M, {r['seconds'] * 1e3:.1f} ms")
         assert abs(r["bytes"] - r["bytes_formula"]) <= TOLERANCE * r["bytes_formula"], where
+        # rlkit.plan's per-tensor count of the same resharding: exact, byte for byte
+        dp, tp, pp = r["dims"]
+        est = estimate_resharding(ParallelPlan(dp=dp, tp=tp, pp=pp, dp_shard=r["dp_shard"]), r["model_path"],
+                                  r["t_g"]).set_index("rank").loc[r["rank"]]
+        assert (r["bytes"], r["param_bytes"]) == (est["received_bytes"], est["generation_param_bytes"]), where
         assert abs(r["param_bytes"] - r["param_formula"]) <= TOLERANCE * r["param_formula"], where
         # every rank generated: its group sampled a share of the replica's prompts
         assert r["greedy_prompts_here"] > 0 and r["sampled_prompts_here"] > 0, where

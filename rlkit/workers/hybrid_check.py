@@ -58,7 +58,8 @@ def check_plan(path: str, plan, temperatures=(0.0, 1.0), max_new_tokens: int = 8
         shard_err = max((shards[n] - tp_shard(n, t, tg, g, pm.config)).abs().max().item() for n, t in full.items())
         resharder.release()
         restore_err = max((t - full[n]).abs().max().item() for n, t in pm.iter_full_weights("all"))
-        row = {"plan": plan.describe(), "dp_shard": plan.dp_shard, "t_g": tg, "rank": rank,
+        row = {"plan": plan.describe(), "dims": [plan.dp, plan.tp, plan.pp], "dp_shard": plan.dp_shard,
+               "model_path": str(path), "t_g": tg, "rank": rank,
                "model_bytes": model_bytes, "shard_err": shard_err, "restore_err": restore_err,
                "bytes": stats["bytes"], "seconds": stats["seconds"], "param_bytes": stats["param_bytes"],
                "peak_param_bytes": stats["peak_param_bytes"],
