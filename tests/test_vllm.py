@@ -165,7 +165,7 @@ def test_vllm_engine_on_every_rank_in_the_generation_layout(tmp_path):
                        plan=rlkit.ParallelPlan(tp=2), prompts_per_step=4, lr=2e-3, seed=0,
                        rollout=rlkit.Rollout(engine="vllm", n=4, max_new_tokens=16, tp=1), run_dir=str(tmp_path / "run"))
     try:
-        steps = 3
+        steps = 2
         tr.fit(steps=steps, view="none")
         assert tr.group.apply(lambda w: w.hybrid.prompts_generated) == [2 * steps, 2 * steps]  # 2 engines
         model_bytes = rlkit.plan.as_spec(tr.model_path).num_params * 4
