@@ -1,0 +1,235 @@
+"""rlkit against TRL, side by side on identical GRPO work (issue 13).
+
+    bash bench/setup_trl.sh                          # once: TRL 1.16 in .venv-trl (git-ignored)
+    .venv/bin/python bench/bench_vs_trl.py           # 3 rounds x 20 steps, tiny Qwen2, HF generate / HF engine
+    .venv/bin/python bench/bench_vs_trl.py --rounds 5 --steps 30
+    .venv/bin/python bench/bench_vs_trl.py --vllm    # + TRL vllm colocate and rlkit's vLLM engine (~20 s a start)
+    .venv/bin/python bench/bench_vs_trl.py --model smollm2-135m-instruct --rounds 1 --steps 6
+    .venv/bin/python bench/bench_vs_trl.py --profile # one py-spy'd run of each side: where the time goes
+
+The work, per step: 2 prompts x 4 completions x up to 32 new tokens (temperature 1), reward = the share of
+completion tokens equal to the token "e", one optimizer step (lr 1e-3, constant, grad-norm clip 1.0), no
+KL, dp=1. Both sides load the same model folder: by default the tiny Qwen2 of issue 13 (2 layers,
+hidden 128, tied embeddings, vocab 512) built by ``rlkit.models.tiny_lm``.
+
+Each run is its own process (bench/trl_worker.py in the TRL venv, bench/rlkit_worker.py in the rlkit
+venv), so start-up counts from process start to the first step begun, and peak RSS is that process
+and everything it started (for rlkit: Ray's daemons and workers). Runs are interleaved, round r
+rotating the order, and the table reports medians over rounds. steps/s and tokens/s are measured
+after the first 2 steps (wall clock, everything between steps included); tokens are completion tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+TINY = dict(arch="qwen2", size="test", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+
+
+def model_folder(name: str) -> str:
+    """``tiny`` -> the tiny Qwen2 of issue 13 (built once); a known pretrained name or a folder as is."""
+    import rlkit.models
+
+    if name == "tiny":
+        spec = dict(TINY)
+        return rlkit.models.tiny_lm(spec.pop("arch"), spec.pop("size"), **spec)
+    return rlkit.models.pretrained(name)
+
+
+def python_with(python: str, *modules: str) -> bool:
+    """Whether ``python`` exists and imports every one of ``modules``."""
+    if not Path(python).exists():
+        return False
+    code = "import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))"
+    return subprocess.run([python, "-c", code, *modules], capture_output=True).returncode == 0
+
+
+def plan_runs(args: argparse.Namespace) -> list[dict]:
+    """The runs of one round: (label, command); vLLM runs only where a python with vLLM exists."""
+    runs = [dict(label="TRL, HF generate", side="trl", engine="hf",
+                 cmd=[args.trl_python, str(BENCH / "trl_worker.py")]),
+            dict(label="rlkit, HF engine", side="rlkit", engine="hf",
+                 cmd=[args.rlkit_python, str(BENCH / "rlkit_worker.py"), "--engine", "hf"])]
+    if not args.vllm:
+        print("vLLM runs: off (pass --vllm to add TRL + vLLM colocate and rlkit's vLLM engine)")
+        return runs
+    if python_with(args.vllm_python, "vllm", "trl", "datasets"):
+        runs.append(dict(label="TRL + vLLM colocate", side="trl", engine="vllm",
+                         cmd=[args.vllm_python, str(BENCH / "trl_worker.py"), "--vllm"]))
+    else:
+        print(f"skip TRL + vLLM: {args.vllm_python} cannot import vllm, trl and datasets (make the vLLM venv "
+              f"with `make .venv-vllm/.rlkit-installed`, then `{args.vllm_python.replace('python', 'pip')} "
+              f"install trl==1.16.0 datasets`, or pass --vllm-python)")
+    if python_with(args.vllm_python, "vllm", "rlkit"):
+        runs.append(dict(label="rlkit, vLLM engine", side="rlkit", engine="vllm",
+                         cmd=[args.vllm_python, str(BENCH / "rlkit_worker.py"), "--engine", "vllm"]))
+    else:
+        print(f"skip rlkit + vLLM: {args.vllm_python} cannot import vllm and rlkit (`make setup-vllm` adds vLLM "
+              f"to .venv: then pass --vllm-python .venv/bin/python)")
+    return runs
+
+
+def run_one(run: dict, model: str, steps: int, log: Path, timeout_s: float, extra: list[str] = ()) -> dict:
+    """Run one worker process; its RESULT line as a dict (the full output goes to ``log``)."""
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+    if "--threads" in extra:  # the OpenMP pool is sized at torch's import: set it before, too
+        env["OMP_NUM_THREADS"] = extra[list(extra).index("--threads") + 1]
+    env.pop("VIRTUAL_ENV", None)
+    load = os.getloadavg()[0]  # another session on the same cores shows here (steps/s then drops)
+    t0 = time.perf_counter()
+    proc = subprocess.run([*run["cmd"], model, str(steps), *extra], capture_output=True, text=True, env=env,
+                          timeout=timeout_s, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    log.write_text(f"$ {' '.join(run['cmd'])} {model} {steps} {' '.join(extra)}\n--- stdout\n{proc.stdout}"
+                   f"\n--- stderr\n{proc.stderr}")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(f"{run['label']} failed (exit {proc.returncode}); full log in {log}:\n{tail}")
+    res = json.loads(lines[-1][len("RESULT "):])
+    res["process_wall_s"], res["load_avg_1min_before"] = wall, load
+    return res
+
+
+def med(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def table(results: dict[str, list[dict]], runs: list[dict]) -> str:
+    """The side-by-side markdown table: per-round steps/s, medians, and rlkit / TRL ratios."""
+    best_trl = max((med([r["steps_per_s"] for r in results[x["label"]]]) for x in runs if x["side"] == "trl"),
+                   default=float("nan"))
+    trl_by_engine = {x["engine"]: results[x["label"]] for x in runs if x["side"] == "trl"}
+    head = ("| run | torch threads | steps/s (rounds) | steps/s median | tokens/s | start-up s | peak RSS MB (all processes) | "
+            "rlkit / TRL (same engine) | same, median of per-round ratios | rlkit / TRL's best |")
+    out = [head, "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for x in runs:
+        rs = results[x["label"]]
+        sps = med([r["steps_per_s"] for r in rs])
+        same = trl_by_engine.get(x["engine"])
+        ratio = paired = best = ""
+        if x["side"] == "rlkit":
+            if same:
+                ratio = f"{sps / med([r['steps_per_s'] for r in same]):.2f}x"
+                # the TRL run of the same round ran minutes apart at most: the ratio least moved by load
+                paired = f"{med([a['steps_per_s'] / b['steps_per_s'] for a, b in zip(rs, same)]):.2f}x"
+            best = f"{sps / best_trl:.2f}x"
+        rounds = ", ".join(f"{r['steps_per_s']:.2f}" for r in rs)
+        threads = "/".join(sorted({str(r.get("threads", "?")) for r in rs}))
+        out.append(f"| {x['label']} | {threads} | {rounds} | {sps:.2f} | "
+                   f"{med([r['tokens_per_s'] for r in rs]):.0f} | {med([r['startup_s'] for r in rs]):.1f} | "
+                   f"{med([r['peak_rss_mb'] for r in rs]):.0f} | {ratio} | {paired} | {best} |")
+    return "\n".join(out)
+
+
+def phase_table(results: dict[str, list[dict]], runs: list[dict]) -> str:
+    """Where a measured step's time goes: means over its steps, medians over rounds. For rlkit, the
+    driver's phase time and (in brackets) the time inside the worker's method: the gap is the Ray call."""
+    out = ["| run | step s | generate s [in engine] | update s [in worker] | sync s [in worker] | rest s |",
+           "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for x in runs:
+        rs = results[x["label"]]
+        step = med([1 / r["steps_per_s"] for r in rs])
+        gens = [r["generate_s_per_step"] for r in rs if r.get("generate_s_per_step") is not None]
+        gen = med(gens)
+        if x["side"] == "rlkit":
+            g, gtxt = _driver_and_worker(rs, "generate", "engine_generate")
+            u, utxt = _driver_and_worker(rs, "update", "update_actor")
+            sy, stxt = _driver_and_worker(rs, "sync", "sync_weights")
+            out.append(f"| {x['label']} | {step:.4f} | {gtxt} | {utxt} | {stxt} | {step - g - u - sy:.4f} |")
+        else:
+            gtxt = f"{gen:.4f}" if gens else "-"
+            rest = f"{step - gen:.4f} (update, reward, logs)" if gens else "-"
+            out.append(f"| {x['label']} | {step:.4f} | {gtxt} | - | - | {rest} |")
+    return "\n".join(out)
+
+
+def _driver_and_worker(rs: list[dict], phase: str, inside: str) -> tuple[float, str]:
+    drv = med([r["phases_mean_s"].get(phase, 0.0) for r in rs])
+    wk = med([r["worker_mean_s"].get(inside, float("nan")) for r in rs])
+    return drv, f"{drv:.4f} [{wk:.4f}]"
+
+
+def startup_table(results: dict[str, list[dict]], runs: list[dict]) -> str:
+    """Start-up, process start to the first step begun, by part (medians over rounds)."""
+    keys: list[str] = []
+    for x in runs:
+        for r in results[x["label"]]:
+            keys += [k for k in r.get("startup_parts_s", {}) if k not in keys]
+    out = ["| run | start-up s | " + " | ".join(k.removesuffix("_s") for k in keys) + " |",
+           "| --- | ---: | " + " | ".join("---:" for _ in keys) + " |"]
+    for x in runs:
+        rs = results[x["label"]]
+        cells = [med([r["startup_parts_s"][k] for r in rs if k in r.get("startup_parts_s", {})]) for k in keys]
+        out.append(f"| {x['label']} | {med([r['startup_s'] for r in rs]):.1f} | "
+                   + " | ".join("" if c != c else f"{c:.2f}" for c in cells) + " |")
+    return "\n".join(out)
+
+
+def machine() -> str:
+    import platform
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    mem = next((int(ln.split()[1]) // 2**20 for ln in Path("/proc/meminfo").read_text().splitlines()
+                if ln.startswith("MemTotal")), 0)
+    return f"{os.cpu_count()} cores ({cpu}), {mem} GiB, load average {os.getloadavg()[0]:.1f} at the start"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny", help="'tiny' (issue 13's tiny Qwen2), a pretrained name or a folder")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20, help="steps per run (the first 2 are not measured)")
+    ap.add_argument("--vllm", action="store_true", help="add the vLLM runs (each vLLM start costs ~20 s)")
+    ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl/bin/python"))
+    ap.add_argument("--rlkit-python", default=sys.executable)
+    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm/bin/python"))
+    ap.add_argument("--out", default=str(ROOT / "runs/bench_vs_trl"), help="logs and results.json go here")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds allowed per run")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads for both sides (default: each side's own: TRL one per core, rlkit 1 per rank)")
+    ap.add_argument("--profile", action="store_true", help="one py-spy'd run per side instead of the rounds")
+    args = ap.parse_args()
+    if args.rounds < 1 or args.steps < 3:
+        ap.error(f"--rounds {args.rounds} --steps {args.steps}: need rounds >= 1 and steps >= 3 (2 are warm-up)")
+    if not python_with(args.trl_python, "trl", "datasets"):
+        sys.exit(f"{args.trl_python} cannot import trl and datasets: run `bash bench/setup_trl.sh` (or make "
+                 f"bench-trl), or pass --trl-python")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = model_folder(args.model)
+    runs = plan_runs(args)
+    threads = ["--threads", str(args.threads)] if args.threads else []
+    if args.profile:
+        from profile_vs_trl import profile_runs
+
+        profile_runs(runs, model, args.steps, out, args.timeout, threads)
+        return
+    print(f"model {model}\nmachine: {machine()}\n{args.rounds} rounds x {args.steps} steps, runs: "
+          f"{[x['label'] for x in runs]}", flush=True)
+    results: dict[str, list[dict]] = {x["label"]: [] for x in runs}
+    for r in range(args.rounds):
+        order = runs[r % len(runs):] + runs[:r % len(runs)]
+        for x in order:
+            res = run_one(x, model, args.steps, out / f"r{r}-{x['side']}-{x['engine']}.log", args.timeout, threads)
+            results[x["label"]].append(res)
+            print(f"round {r + 1}: {x['label']:22s} {res['steps_per_s']:.2f} steps/s, start-up "
+                  f"{res['startup_s']:.1f} s, {res['threads']} thread(s), peak RSS {res['peak_rss_mb']:.0f} MB, process "
+                  f"{res['process_wall_s']:.1f} s, load average before {res['load_avg_1min_before']:.1f}", flush=True)
+    (out / "results.json").write_text(json.dumps({"model": model, "args": vars(args), "results": results}, indent=1))
+    print("\n\n".join(["", table(results, runs), phase_table(results, runs), startup_table(results, runs)]))
+
+
+if __name__ == "__main__":
+    main()

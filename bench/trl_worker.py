@@ -1,0 +1,104 @@
+"""One TRL GRPOTrainer run of bench_vs_trl.py's work, in its own process (run by the TRL venv's python).
+
+    .venv-trl/bin/python bench/trl_worker.py MODEL_DIR STEPS [--vllm]
+
+Prints ``RESULT {json}``: steps/s and tokens/s after the warm-up steps, start-up (process start to the
+first step begun), peak RSS, and the seconds spent inside ``generate`` per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from vs_trl_common import PROMPTS, WORK, PeakRSS, StepClock, emit, share_of  # noqa: E402
+
+CLOCK = StepClock()  # before the heavy imports: they are part of start-up
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("steps", type=int)
+    ap.add_argument("--vllm", action="store_true", help="TRL's vllm_mode='colocate' (needs vllm in this venv)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    ap.add_argument("--out", default=None, help="TRL's output_dir (nothing is saved; default: a temp dir)")
+    args = ap.parse_args()
+    rss = PeakRSS().start()
+    marks = {"python_s": time.perf_counter() - CLOCK.t0_perf}
+    t = time.perf_counter()
+    import tempfile
+
+    import torch
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.generation.utils import GenerationMixin
+    from trl import GRPOConfig, GRPOTrainer
+
+    marks["import_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(WORK["seed"])
+    tok = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    marks["model_s"] = time.perf_counter() - t
+    score = share_of(tok.convert_tokens_to_ids(WORK["target_token"]))
+
+    gen_s: list[float] = []
+    inner = GenerationMixin.generate
+
+    def timed_generate(self, *a, **kw):  # the time TRL spends inside HF generate, per call
+        t = time.perf_counter()
+        out = inner(self, *a, **kw)
+        gen_s.append(time.perf_counter() - t)
+        return out
+
+    GenerationMixin.generate = timed_generate
+
+    def share_reward(completions, completion_ids=None, **kw):
+        if completion_ids is None:  # older TRL: no ids given
+            completion_ids = [tok(c, add_special_tokens=False)["input_ids"] for c in completions]
+        CLOCK.tokens.append(sum(len(ids) for ids in completion_ids))
+        return score(completion_ids)
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            CLOCK.begin()
+
+        def on_step_end(self, *a, **k):
+            CLOCK.end()
+
+    vllm = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 256} if args.vllm else {}
+    cfg = GRPOConfig(
+        output_dir=args.out or tempfile.mkdtemp(prefix="trl-bench-"), use_cpu=True, bf16=False, fp16=False,
+        per_device_train_batch_size=WORK["prompts_per_step"] * WORK["n"], num_generations=WORK["n"],
+        gradient_accumulation_steps=1, max_completion_length=WORK["max_new_tokens"],
+        temperature=WORK["temperature"], learning_rate=WORK["lr"], lr_scheduler_type="constant",
+        beta=WORK["kl"], max_grad_norm=WORK["max_grad_norm"], max_steps=args.steps, logging_steps=1,
+        save_strategy="no", report_to="none", dataloader_num_workers=0, seed=WORK["seed"], **vllm)
+    t = time.perf_counter()
+    trainer = GRPOTrainer(model=model, reward_funcs=share_reward, args=cfg,
+                          train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok,
+                          callbacks=[Clock()])
+    marks["trainer_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    trainer.train()
+    rss.stop()
+    res = CLOCK.summary()
+    marks["train_to_first_step_s"] = CLOCK.begins[0] - t
+    w = len(gen_s) - res["measured_steps"]
+    res.update(side="trl", engine="vllm" if args.vllm else "hf", version=trl.__version__,
+               threads=torch.get_num_threads(), peak_rss_mb=rss.peak_mb, processes=rss.peak_procs,
+               generate_s_per_step=(sum(gen_s[w:]) / res["measured_steps"]) if gen_s and w >= 0 else None,
+               wall_s=time.perf_counter() - CLOCK.t0_perf, startup_parts_s=marks,
+               cpu_s_by_process={"driver": round(sum(os.times()[:2]), 2)})
+    emit(res)
+
+
+if __name__ == "__main__":
+    main()

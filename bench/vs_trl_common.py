@@ -1,0 +1,130 @@
+"""The work both sides of bench_vs_trl.py do, and how each run is clocked (imported by both workers).
+
+It imports no torch, TRL or rlkit, so the TRL venv and the rlkit venv both load it by path:
+
+    >>> import sys; sys.path.insert(0, "bench")                       # doctest: +SKIP
+    >>> from vs_trl_common import WORK, share_of                        # doctest: +SKIP
+    >>> share_of(7)([[7, 7, 1, 2]])                                     # doctest: +SKIP
+    [0.5]
+
+A step here is one RL step: ``WORK["prompts_per_step"]`` prompts x ``WORK["n"]`` completions x up to
+``WORK["max_new_tokens"]`` new tokens, then one optimizer step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+# The same prompts as /work/shared/probes/{trl,rlkit}_grpo.py (short plain text, no chat template).
+PROMPTS = ["the quick brown fox", "what is two plus two ?", "count the apples :", "a b c d",
+           "reinforcement learning", "jupyter notebooks make", "one two three", "the lazy dog"] * 8
+WORK: dict[str, Any] = dict(n=4, prompts_per_step=2, max_new_tokens=32, lr=1e-3, temperature=1.0, kl=0.0,
+                            max_grad_norm=1.0, seed=0, target_token="e")
+WARMUP_STEPS = 2  # steps left out of steps/s: the first steps carry one-off costs (vLLM warms up here)
+
+
+def share_of(target: int) -> Callable[[list[list[int]]], list[float]]:
+    """The reward on token ids: the share of each completion's tokens equal to ``target``.
+
+    >>> share_of(3)([[3, 1], [2, 2, 2], []])
+    [0.5, 0.0, 0.0]
+    """
+    def reward(completion_ids: list[list[int]]) -> list[float]:
+        return [sum(t == target for t in ids) / max(len(ids), 1) for ids in completion_ids]
+    return reward
+
+
+def process_start_time() -> float:
+    """When this process started (epoch seconds): start-up is measured from here, not from ``main``."""
+    import psutil
+
+    return psutil.Process(os.getpid()).create_time()
+
+
+class PeakRSS:
+    """Samples the RSS of this process and all its descendants (Ray's daemons and workers included)
+    every ``every_s`` seconds in a daemon thread; ``peak_mb`` is the largest sum seen.
+
+    >>> p = PeakRSS().start()
+    >>> p.stop()
+    >>> p.peak_mb > 0
+    True
+    """
+
+    def __init__(self, every_s: float = 0.5):
+        import psutil
+
+        self.proc, self.every_s, self.peak_mb, self.peak_procs = psutil.Process(os.getpid()), every_s, 0.0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="peak-rss")
+
+    def sample(self) -> None:
+        import psutil
+
+        total, count = 0, 0
+        for p in [self.proc, *self.proc.children(recursive=True)]:
+            try:
+                total += p.memory_info().rss
+                count += 1
+            except (psutil.NoSuchProcess, psutil.AccessDenied):  # a child that just exited
+                pass
+        if total / 2**20 > self.peak_mb:
+            self.peak_mb, self.peak_procs = total / 2**20, count
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.sample()
+
+    def start(self) -> PeakRSS:
+        self.sample()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.sample()
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class StepClock:
+    """Begin / end times of each step (perf_counter) and the completion tokens of each step."""
+
+    def __init__(self) -> None:
+        # the process start on the perf_counter clock (create_time has the kernel's 10 ms resolution)
+        self.t0_perf = time.perf_counter() - (time.time() - process_start_time())
+        self.begins: list[float] = []
+        self.ends: list[float] = []
+        self.tokens: list[int] = []
+
+    def begin(self) -> None:
+        self.begins.append(time.perf_counter())
+
+    def end(self) -> None:
+        self.ends.append(time.perf_counter())
+
+    def summary(self, warmup: int = WARMUP_STEPS) -> dict[str, Any]:
+        """steps/s and tokens/s over the steps after ``warmup`` (wall clock from the first measured
+        step's begin to the last step's end: everything between steps counts), start-up seconds."""
+        n = min(len(self.begins), len(self.ends))
+        if n <= warmup:
+            raise RuntimeError(f"only {n} steps ran; need more than warmup={warmup}")
+        wall = self.ends[n - 1] - self.begins[warmup]
+        toks = sum(self.tokens[warmup:n]) if len(self.tokens) >= n else float("nan")
+        gaps = [self.begins[i + 1] - self.begins[i] for i in range(warmup, n - 1)]
+        return {"steps": n, "measured_steps": n - warmup, "steps_per_s": (n - warmup) / wall,
+                "tokens_per_s": toks / wall, "median_step_s": statistics.median(gaps) if gaps else wall,
+                "startup_s": self.begins[0] - self.t0_perf, "first_steps_s": self.begins[warmup] - self.begins[0],
+                "tokens_per_step": toks / (n - warmup)}
+
+
+def emit(result: dict[str, Any]) -> None:
+    """One machine-readable line for the orchestrator (bench_vs_trl.py), with this process's own peak RSS."""
+    result["driver_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(result), flush=True)
