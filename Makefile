@@ -73,3 +73,10 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .rlkit_cache runs
+
+# Speed against TRL, side by side (bench/README.md): TRL 1.16 in its own venv (.venv-trl), then interleaved
+# rounds of both. Pass options with BENCH_ARGS, e.g. make bench-trl BENCH_ARGS="--rounds 5 --steps 30".
+.PHONY: bench-trl
+bench-trl: $(STAMP)
+	bash bench/setup_trl.sh
+	$(BIN)/python bench/bench_vs_trl.py $(BENCH_ARGS)
