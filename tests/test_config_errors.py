@@ -70,6 +70,7 @@ ROLLOUT_BAD = {
     "stop_token_ids": [(["<|im_end|>"], "stop_token_ids=['<|im_end|>'] must be token ids")],
     "ignore_eos": [(1, "ignore_eos=1 must be True or False")],
     "seed": [(-1, "seed=-1 must be an integer >= 0")],
+    "tp": [(0, "tp=0 must be a positive integer or None"), (1.5, "tp=1.5")],
     "max_prompt_len": [(0, "max_prompt_len=0 must be a positive integer or None")],
     "on_long_prompt": [("truncate", "on_long_prompt='truncate': choose one of ['error', 'skip']")],
     "dtype": [("fp16", "dtype='fp16': choose one of ['auto', 'float32', 'bfloat16', 'float16']")],
