@@ -24,7 +24,9 @@ def test_demo_quick_runs_and_its_reward_rises(tmp_path):
     rewards = [r["reward/mean"] for r in rows]
     k = min(10, len(rows) // 2)
     first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
-    assert last > first + 0.08, rewards  # measured 0.031 -> 0.194 (seed 0, 40 steps)
+    # measured 0.026 -> 0.095 (seed 0, 40 steps) with the per-prompt seeded sampler; the sampler before
+    # it drew another stream from the same seed and measured 0.031 -> 0.194: the margin is a rise, not a curve
+    assert last > first + 0.05 and last > 2 * first, rewards
     m = re.search(r"first (\d+) steps: ([0-9.]+)\s+->\s+last \d+ steps: ([0-9.]+)", proc.stdout)
     assert m is not None, proc.stdout[-2000:]
     assert int(m.group(1)) == k
