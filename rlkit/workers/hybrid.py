@@ -26,7 +26,7 @@ from rlkit.parallel import ParallelModel
 from rlkit.parallel.apply import apply_tp
 from rlkit.parallel.relayout import Resharder
 from rlkit.plan.hybrid import GenerationLayout
-from rlkit.rollout import Rollout, make_engine
+from rlkit.rollout import Rollout, engine_name, make_engine
 
 
 class HybridRollout:
@@ -51,13 +51,7 @@ class HybridRollout:
             g = dist.new_group(ranks)
             if d == c["dp"]:
                 self.replica_group, self.replica_ranks = g, ranks
-        engine = rollout.engine
-        if engine == "auto":
-            from rlkit.rollout import vllm_available
-
-            engine = "vllm" if vllm_available() else "hf"
-        self.kind = engine
-        if engine == "vllm":
+        if engine_name(rollout, model_path) == "vllm":
             self.engine = make_engine(rollout, model_path)  # holds its own copy; loaded after each reshard
             self.shell = None
         else:
