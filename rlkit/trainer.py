@@ -139,7 +139,9 @@ class Trainer:
         algorithm: one of ``ALGORITHMS`` (grpo, drgrpo, rloo, reinforce++, reinforce++-baseline, ppo).
         plan: the actor's ParallelPlan (default: one rank).
         rollout: sampling (default ``Rollout(n=4, max_new_tokens=16)``).
-        cluster: an ``rlkit.Cluster`` (default: an embedded local one).
+        cluster: an ``rlkit.Cluster`` to run the workers on. Default: a one-rank plan (colocated) runs its
+            worker in this process, without Ray (it starts in seconds, like TRL); a bigger plan starts an
+            embedded local Ray cluster.
         placement: "colocated" (HybridEngine: one engine per DP group on the actor's workers, weights
             streamed in place) or "split" (``rollout_workers`` engines on their own workers; weights
             gathered to the actor's rank 0 and sent through Ray's object store).
@@ -256,6 +258,18 @@ class Trainer:
 
         split = self.placement == "split"
         workers = self.plan.world_size + (self.rollout_workers if split else 0)
+        self._held: list[Any] = []  # this Trainer's groups; the finalizer shuts them down
+        self._finalizer = weakref.finalize(self, _shutdown_groups, self._held)
+        self._finalizer.atexit = False
+        if self.cluster is None and workers == 1:
+            # one rank and no cluster asked for: the worker runs in this process (no Ray to start, no
+            # second interpreter, no pickling per call); pass cluster=rlkit.Cluster() for a Ray actor
+            from rlkit.workers.local import LocalWorkerGroup
+
+            args, kwargs = self._worker_args()
+            self.group = LocalWorkerGroup(self.plan, RLWorker, *args, **kwargs, name="rl", owner=self)
+            self._held.append(self.group)
+            return
         if self.cluster is None:
             self.cluster = Cluster(num_cpus=max(os.cpu_count() or 1, workers))
         c = self.config
@@ -268,9 +282,6 @@ class Trainer:
         # silently: the reservation fails after the cluster's timeout naming the holder and trainer.close().
         dims = self.plan.describe().split(" =")[0]
         self._holder_label = f"Trainer({self.algorithm}, {dims}, made {time.strftime('%H:%M:%S')})"
-        self._held: list[Any] = []  # this Trainer's groups; the finalizer shuts them down
-        self._finalizer = weakref.finalize(self, _shutdown_groups, self._held)
-        self._finalizer.atexit = False
         gpw = self.cluster.gpus_per_worker
         need = {"CPU": cpus * workers, **({"GPU": gpw * workers} if gpw else {})}
         closed = self.cluster.make_room(need, self, replace_older=_interactive())
@@ -278,11 +289,9 @@ class Trainer:
             warnings.warn(f"rlkit: closed the earlier {', '.join(closed)} to free its workers for this one "
                           f"(a notebook cell run again?); close trainers yourself with trainer.close() to keep "
                           f"control", stacklevel=3)
-        self.group = WorkerGroup(
-            self.cluster, self.plan, RLWorker, self.model_path, self.plan, rollout=self.rollout,
-            prompt_len=self.prompt_len, actor_lr=c.lr, critic_lr=c.critic_lr, max_grad_norm=c.max_grad_norm,
-            need_ref=c.kl_coef > 0, need_critic=self.use_critic, seed=c.seed, colocate_rollout=not split,
-            timeout_s=c.timeout_s, name="rl", cpus_per_worker=cpus, owner=self)
+        args, kwargs = self._worker_args()
+        self.group = WorkerGroup(self.cluster, self.plan, RLWorker, *args, **kwargs, timeout_s=c.timeout_s,
+                                 name="rl", cpus_per_worker=cpus, owner=self)
         self._held.append(self.group)
         if split:
             try:
@@ -294,6 +303,14 @@ class Trainer:
             except BaseException:
                 self.close()
                 raise
+
+    def _worker_args(self) -> tuple[tuple, dict[str, Any]]:
+        """What every ``RLWorker`` of the actor's group is built from."""
+        c = self.config
+        return (self.model_path, self.plan), dict(
+            rollout=self.rollout, prompt_len=self.prompt_len, actor_lr=c.lr, critic_lr=c.critic_lr,
+            max_grad_norm=c.max_grad_norm, need_ref=c.kl_coef > 0, need_critic=self.use_critic, seed=c.seed,
+            colocate_rollout=self.placement != "split")
 
     # ---- the loop --------------------------------------------------------------------------------
     def fit(self, steps: int, *, view: str = "auto"):

@@ -6,7 +6,8 @@ Two layouts:
 * ``Rollout(tp=None)`` (the default): one engine per DP group, on that group's ``tp=0`` rank of the
   last pipeline stage (the rank ``WorkerGroup.call_dp`` collects results from). After each update the
   new weights stream out of the training layout one tensor at a time, only to the engine ranks, and are
-  loaded into the engine in place.
+  loaded into the engine in place. On a one-rank plan an HF engine in the actor's dtype needs no copy
+  at all: it generates with the actor's own tensors (the generation layout below, with ``t_g = 1``).
 * ``Rollout(tp=t_g)``: the 3D-HybridEngine's generation layout (``rlkit.workers.hybrid``). Every rank
   generates, in groups of ``t_g``; each generation resharding moves only what a rank lacks, inside its
   micro-DP group, and the generation copy is dropped before training resumes.
@@ -48,11 +49,14 @@ class RLWorker:
         c = plan.coords(self.rank)
         self.dp_rank = c["dp"]
         self.hybrid = None
-        if rollout.tp is not None and colocate_rollout:  # every rank generates, in the generation layout
+        gen_tp = rollout.tp
+        if gen_tp is None and colocate_rollout and _can_share_actor_weights(rollout, model_path, plan, self.actor):
+            gen_tp = 1  # one rank: the engine generates with the actor's own tensors (no second copy to sync)
+        if gen_tp is not None and colocate_rollout:  # every rank generates, in the generation layout
             from rlkit.plan.hybrid import GenerationLayout
             from rlkit.workers.hybrid import HybridRollout
 
-            self.hybrid = HybridRollout(model_path, self.actor, GenerationLayout(plan, rollout.tp), rollout)
+            self.hybrid = HybridRollout(model_path, self.actor, GenerationLayout(plan, gen_tp), rollout)
         # split placement: the engines live in their own RolloutWorker group instead
         self.engine_ranks = sorted(plan.rank(dp=d, tp=0, pp=plan.pp - 1) for d in range(plan.dp)) \
             if colocate_rollout and self.hybrid is None else []
@@ -230,6 +234,25 @@ def rollout_to_batch(engine: Any, batch: dict[str, Any], seed: int, P: int, R: i
             "uid": [batch["uid"][i] for i in rows], "row": [batch["row"][i] for i in rows],
             "completion": list(out.texts), "finish_reason": list(out.finish_reason),
             "timing": out.timings.get("generate", 0.0)}
+
+
+def _can_share_actor_weights(rollout: Rollout, model_path: str, plan: ParallelPlan, actor: ParallelModel) -> bool:
+    """A one-rank plan whose HF engine would hold the same weights in the same dtype as the actor: then the
+    engine can run on the actor's tensors (the generation layout with t_g = 1 aliases them), which saves
+    loading the checkpoint twice, a model's worth of memory and the weight copy after every update."""
+    from rlkit.rollout import engine_name
+
+    if plan.world_size != 1 or engine_name(rollout, model_path) != "hf":
+        return False
+    actor_dtype = next(iter(actor.params)).dtype
+    if rollout.dtype != "auto":
+        return getattr(torch, rollout.dtype) == actor_dtype
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    saved = getattr(torch, saved) if isinstance(saved, str) else saved
+    return saved == actor_dtype
 
 
 def _rss_gb() -> float:
