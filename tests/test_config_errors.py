@@ -75,6 +75,7 @@ ROLLOUT_BAD = {
     "on_long_prompt": [("truncate", "on_long_prompt='truncate': choose one of ['error', 'skip']")],
     "dtype": [("fp16", "dtype='fp16': choose one of ['auto', 'float32', 'bfloat16', 'float16']")],
     "hf_batch_size": [(0, "hf_batch_size=0 must be a positive integer or None")],
+    "hf_decode": [("lean", "hf_decode='lean': choose one of ['auto', 'generate']")],
     "gpu_memory_utilization": [(1.5, "gpu_memory_utilization=1.5 must be a finite number > 0 and <= 1")],
     "kv_cache_gb": [(0, "kv_cache_gb=0 must be a finite number > 0")],
     "max_model_len": [(-5, "max_model_len=-5 must be a positive integer or None")],

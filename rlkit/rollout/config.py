@@ -15,6 +15,7 @@ from rlkit.errors import RlkitError
 ENGINES = ("auto", "vllm", "hf")
 ON_LONG_PROMPT = ("error", "skip")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+HF_DECODE = ("auto", "generate")
 # The fields a single generate() call may override; the rest are fixed when the engine starts.
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids",
                    "ignore_eos", "seed")
@@ -66,6 +67,9 @@ class Rollout:
     on_long_prompt: str = "error"        # "error" raises PromptTooLongError; "skip" drops it and reports it
     dtype: str = "auto"                  # "auto" (the checkpoint's), "float32", "bfloat16", "float16"
     hf_batch_size: int | None = None     # HF: prompts per generate() call (None: all at once)
+    hf_decode: str = "auto"              # HF: "auto" = rlkit's lean decode loop where it matches the model
+    #                                      (Llama/Qwen2/Mistral, default rope), else model.generate;
+    #                                      "generate" = always model.generate
     gpu_memory_utilization: float = 0.5  # vLLM on GPU: share of GPU memory for weights + KV cache
     kv_cache_gb: float = 1.0             # vLLM on CPU: KV cache size (VLLM_CPU_KVCACHE_SPACE)
     max_model_len: int | None = None     # vLLM: context it reserves KV for (None: prompt + new tokens)
@@ -105,6 +109,7 @@ class Rollout:
         choice("on_long_prompt", self.on_long_prompt, ON_LONG_PROMPT, **err)
         choice("dtype", self.dtype, DTYPES, **err)
         integer("hf_batch_size", self.hf_batch_size, none_ok=True, hint="None: all prompts in one batch", **err)
+        choice("hf_decode", self.hf_decode, HF_DECODE, **err)
         number("gpu_memory_utilization", self.gpu_memory_utilization, gt=0, le=1, hint="e.g. 0.5", **err)
         number("kv_cache_gb", self.kv_cache_gb, gt=0, hint="e.g. kv_cache_gb=1", **err)
         integer("max_model_len", self.max_model_len, none_ok=True, hint="None: prompt + new tokens", **err)

@@ -13,6 +13,7 @@ groups of ``Rollout(tp=...)`` samples the same responses.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from collections.abc import Iterable
@@ -29,6 +30,7 @@ from transformers import (
 
 from rlkit.rollout.base import RolloutEngine, left_pad, named_tensor_items
 from rlkit.rollout.config import Rollout, RolloutError
+from rlkit.rollout.decode import decode, unsupported
 
 
 def _as_list(x) -> list[int]:
@@ -63,15 +65,42 @@ class _StopOnStrings(StoppingCriteria):
 
 class _SeededSampling(LogitsProcessor):
     """Samples each row from ``softmax(logits / T)`` (after top-k, then top-p, as HF's warpers do) with
-    the Gumbel-max trick and a generator per row, and hands ``generate`` scores whose argmax is the
-    draw. A row's draws depend on its seed and its own logits only, never on its batch."""
+    the Gumbel-max trick and a generator per row. A row's draws depend on its seed and its own logits
+    only, never on its batch.
+
+    ``pick(logits)`` returns the drawn tokens (the lean decode loop); as a ``LogitsProcessor`` it hands
+    ``generate`` the perturbed scores, whose argmax is the same draw. Each row's uniform noise is drawn
+    in blocks of steps (``torch.rand(steps, V)`` continues the stream exactly as ``steps`` calls of
+    ``torch.rand(V)`` would), so step t of a call always uses the same numbers.
+
+    >>> s = _SeededSampling([1, 2], Rollout(max_new_tokens=3, top_k=2))
+    >>> picks = [s.pick(torch.tensor([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]])) for _ in range(3)]
+    >>> all(p[0] > 0 and p[1] < 2 for p in picks)  # top_k=2 never draws a row's least likely token
+    True
+    """
+
+    NOISE_BYTES = 64 << 20  # noise drawn ahead per block: (steps, rows, V) float64 within this
 
     def __init__(self, seeds: list[int], cfg: Rollout):
         self.gens = [torch.Generator().manual_seed(s) for s in seeds]
         self.temperature, self.top_k, self.top_p = cfg.temperature, max(cfg.top_k, 0), cfg.top_p
+        self.max_steps, self.step = cfg.max_new_tokens, 0
+        self.noise, self.noise_start = None, 0
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        x = scores.float() / self.temperature
+    def _gumbel(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """Gumbel noise (rows, V) float64 of the current step."""
+        t = self.step
+        if self.noise is None or t - self.noise_start >= self.noise.shape[0]:
+            steps = max(1, min(self.max_steps - t, self.NOISE_BYTES // (8 * vocab * len(self.gens))))
+            u = torch.stack([torch.rand(steps, vocab, generator=g, dtype=torch.float64) for g in self.gens], 1)
+            self.noise = (-torch.log(-torch.log(u.clamp(1e-300, 1 - 1e-16)))).to(device)
+            self.noise_start = t
+        self.step += 1
+        return self.noise[t - self.noise_start]
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits / T`` with top-k / top-p's dropped tokens at -inf, plus this step's Gumbel noise."""
+        x = logits.float() / self.temperature
         if 0 < self.top_k < x.shape[-1]:
             kth = torch.topk(x, self.top_k, dim=-1).values[:, -1:]
             x = x.masked_fill(x < kth, float("-inf"))
@@ -80,11 +109,36 @@ class _SeededSampling(LogitsProcessor):
             drop = sorted_x.softmax(-1).cumsum(-1) <= 1 - self.top_p
             drop[:, -1] = False
             x = x.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-        u = torch.stack([torch.rand(x.shape[-1], generator=g, dtype=torch.float64) for g in self.gens])
-        gumbel = -torch.log(-torch.log(u.clamp(1e-300, 1 - 1e-16)))
-        pick = (x.double().cpu() + gumbel).argmax(-1).to(scores.device)
-        out = torch.full_like(scores, float("-inf"))
-        return out.scatter_(1, pick[:, None], 0.0)
+        return x.double() + self._gumbel(x.shape[-1], x.device)
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """This step's tokens (rows,) for raw ``logits`` (rows, V)."""
+        return self.scores(logits).argmax(-1)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        return self.scores(scores)  # generate (greedy) takes the argmax: the draw
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module):
+    """Run ``model`` in eval mode and give every module back the train/eval flag it had (a model that
+    trains elsewhere keeps training after a rollout).
+
+    >>> m = torch.nn.Sequential(torch.nn.Dropout(), torch.nn.Dropout()).train()
+    >>> _ = m[1].eval()
+    >>> with eval_mode(m):
+    ...     [x.training for x in m.modules()]
+    [False, False, False]
+    >>> [x.training for x in m.modules()]
+    [True, True, False]
+    """
+    training = [m for m in model.modules() if m.training]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m in training:
+            m.training = True
 
 
 class HFEngine(RolloutEngine):
@@ -115,7 +169,8 @@ class HFEngine(RolloutEngine):
             tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
         else:
             model = model_or_path
-        self.model = model.eval()
+        self.model = model  # generate() runs it in eval mode and restores its mode afterwards
+        self.last_decode = ""  # "lean" or "generate (why)": which loop the last chunk ran
         self.device = next(model.parameters()).device
         gen = model.generation_config
         self.eos_ids = _as_list(gen.eos_token_id) or _as_list(getattr(tokenizer, "eos_token_id", None))
@@ -135,6 +190,10 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def _generate_ids(self, prompts, cfg, seeds):
+        with eval_mode(self.model):
+            return self._generate_chunks(prompts, cfg, seeds)
+
+    def _generate_chunks(self, prompts, cfg, seeds):
         temp = cfg.temperature if cfg.temperature > 0 else 1.0
         ends = set(([] if cfg.ignore_eos else self.eos_ids) + list(cfg.stop_token_ids))
         # each prompt repeated n times, adjacent (what num_return_sequences does, but greedy allows it too)
@@ -147,18 +206,12 @@ class HFEngine(RolloutEngine):
         with torch.random.fork_rng(devices=devices):  # nothing here moves the caller's RNG
             for start in range(0, len(rows), chunk):
                 ids, mask = left_pad(rows[start:start + chunk], self.pad_token_id)
-                stopping = StoppingCriteriaList(
-                    [_StopOnStrings(self.tokenizer, cfg.stop, ids.shape[1])] if cfg.stop else [])
-                sampler = LogitsProcessorList(
-                    [_SeededSampling(row_seeds[start:start + chunk], cfg)] if cfg.temperature > 0 else [])
-                out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                          generation_config=self._generation_config(cfg),
-                                          stopping_criteria=stopping, logits_processor=sampler)
-                new = out.sequences[:, ids.shape[1]:]
+                sampler = _SeededSampling(row_seeds[start:start + chunk], cfg) if cfg.temperature > 0 else None
+                new, step_logits = self._decode(ids, mask, cfg, sampler)
                 # log-prob of each sampled token under softmax(raw logits / T), one step at a time so the
                 # (rows, vocab) float32 copy exists once, not per step
                 lp = torch.stack([F.log_softmax(step.float() / temp, dim=-1).gather(1, new[:, t:t + 1])[:, 0]
-                                  for t, step in enumerate(out.logits)], dim=1)
+                                  for t, step in enumerate(step_logits)], dim=1)
                 for row, row_lp in zip(new.tolist(), lp.tolist()):
                     end, reason = len(row), "length"
                     hit = next((t + 1 for t, tok in enumerate(row) if tok in ends), None)
@@ -171,6 +224,28 @@ class HFEngine(RolloutEngine):
                     logprobs.append(row_lp[:end])
                     reasons.append(reason)
         return responses, logprobs, reasons
+
+    def _decode(self, ids: torch.Tensor, mask: torch.Tensor, cfg: Rollout, sampler: _SeededSampling | None
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """New tokens (rows, T) and each step's raw logits for one left-padded chunk: the lean loop when it
+        can stand in for ``generate`` on this model (``decode.unsupported``), else ``model.generate``."""
+        why = "hf_decode='generate'" if cfg.hf_decode == "generate" else unsupported(
+            self.model, ids.shape[1] + cfg.max_new_tokens)
+        self.last_decode = "lean" if why is None else f"generate ({why})"
+        if why is None:
+            stop = None
+            if cfg.stop:
+                by_text = _StopOnStrings(self.tokenizer, cfg.stop, 0)
+                stop = lambda new: by_text(new, None)  # noqa: E731
+            ends = ([] if cfg.ignore_eos else self.eos_ids) + list(cfg.stop_token_ids)
+            return decode(self.model, ids, mask, cfg.max_new_tokens,
+                          sampler.pick if sampler is not None else lambda x: x.argmax(-1),
+                          ends, self.pad_token_id, stop)
+        stopping = StoppingCriteriaList([_StopOnStrings(self.tokenizer, cfg.stop, ids.shape[1])] if cfg.stop else [])
+        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                  generation_config=self._generation_config(cfg), stopping_criteria=stopping,
+                                  logits_processor=LogitsProcessorList([sampler] if sampler is not None else []))
+        return out.sequences[:, ids.shape[1]:], list(out.logits)
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
