@@ -58,8 +58,13 @@ def plan_runs(args: argparse.Namespace) -> list[dict]:
     """The runs of one round: (label, command); vLLM runs only where a python with vLLM exists."""
     runs = [dict(label="TRL, HF generate", side="trl", engine="hf",
                  cmd=[args.trl_python, str(BENCH / "trl_worker.py")]),
-            dict(label="rlkit, HF engine", side="rlkit", engine="hf",
+            dict(label="rlkit, HF engine", side="rlkit", engine="hf", key="hf",
                  cmd=[args.rlkit_python, str(BENCH / "rlkit_worker.py"), "--engine", "hf"])]
+    if args.ray_rows:  # the same Trainer on Ray: one worker (what dp=1 cost before it ran in-process), and dp=2
+        runs += [dict(label="rlkit, HF engine, Ray worker", side="rlkit", engine="hf", key="hf-ray",
+                      cmd=[args.rlkit_python, str(BENCH / "rlkit_worker.py"), "--engine", "hf", "--ray"]),
+                 dict(label="rlkit, HF engine, dp=2 (Ray)", side="rlkit", engine="hf", key="hf-dp2",
+                      cmd=[args.rlkit_python, str(BENCH / "rlkit_worker.py"), "--engine", "hf", "--dp", "2"])]
     if not args.vllm:
         print("vLLM runs: off (pass --vllm to add TRL + vLLM colocate and rlkit's vLLM engine)")
         return runs
@@ -200,6 +205,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads for both sides (default: each side's own: TRL one per core, rlkit 1 per rank)")
     ap.add_argument("--profile", action="store_true", help="one py-spy'd run per side instead of the rounds")
+    ap.add_argument("--ray-rows", action="store_true",
+                    help="add rlkit on one Ray worker and at dp=2 (Ray, same global batch) to the rounds")
     args = ap.parse_args()
     if args.rounds < 1 or args.steps < 3:
         ap.error(f"--rounds {args.rounds} --steps {args.steps}: need rounds >= 1 and steps >= 3 (2 are warm-up)")
@@ -222,7 +229,8 @@ def main() -> None:
     for r in range(args.rounds):
         order = runs[r % len(runs):] + runs[:r % len(runs)]
         for x in order:
-            res = run_one(x, model, args.steps, out / f"r{r}-{x['side']}-{x['engine']}.log", args.timeout, threads)
+            res = run_one(x, model, args.steps, out / f"r{r}-{x['side']}-{x.get('key', x['engine'])}.log",
+                          args.timeout, threads)
             results[x["label"]].append(res)
             print(f"round {r + 1}: {x['label']:22s} {res['steps_per_s']:.2f} steps/s, start-up "
                   f"{res['startup_s']:.1f} s, {res['threads']} thread(s), peak RSS {res['peak_rss_mb']:.0f} MB, process "

@@ -1,9 +1,9 @@
 """One rlkit Trainer run of bench_vs_trl.py's work, in its own process (run by the rlkit venv's python).
 
-    .venv/bin/python bench/rlkit_worker.py MODEL_DIR STEPS [--engine hf|vllm] [--cprofile FILE]
+    .venv/bin/python bench/rlkit_worker.py MODEL_DIR STEPS [--engine hf|vllm] [--ray] [--dp N] [--cprofile FILE]
 
 Prints ``RESULT {json}``: steps/s and tokens/s after the warm-up steps, start-up (process start to the
-first ``train_step`` begun), peak RSS (driver + Ray daemons + workers), the median of each of rlkit's
+first ``train_step`` begun), peak RSS (the process + Ray daemons + workers, where Ray runs), the median of each of rlkit's
 ``timing/<phase>`` metrics, and where start-up went (imports, Ray, workers).
 """
 
@@ -92,7 +92,11 @@ def main() -> None:
     ap.add_argument("--cprofile", default=None, help="write a cProfile of the driver's fit() to this file")
     ap.add_argument("--probe", action="store_true", help="after fit: time bare and batch-carrying Ray calls")
     ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads per rank (rlkit.Cluster(cpus_per_worker=N)); default: rlkit's (1 CPU a rank)")
+                    help="torch threads per rank (in-process: torch.set_num_threads; on Ray: "
+                         "rlkit.Cluster(cpus_per_worker=N)); default: rlkit's (torch's in-process, 1 CPU a Ray rank)")
+    ap.add_argument("--ray", action="store_true",
+                    help="run the rank on a Ray worker (rlkit.Cluster) even at dp=1; default: dp=1 runs in-process")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks (>1: Ray workers), same global batch")
     args = ap.parse_args()
     rss = PeakRSS().start()
     marks = {"python_s": time.perf_counter() - CLOCK.t0_perf}
@@ -112,13 +116,23 @@ def main() -> None:
         return score([tok(c, add_special_tokens=False)["input_ids"] for c in completions])
 
     t = time.perf_counter()
-    cluster = rlkit.Cluster(**({"cpus_per_worker": args.threads} if args.threads else {}))
+    cluster = None  # dp=1: the Trainer runs its rank in this process
+    if args.ray or args.dp > 1:
+        cluster = rlkit.Cluster(**({"cpus_per_worker": args.threads} if args.threads else {}))
+    elif args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     marks["cluster_s"] = time.perf_counter() - t
     try:
         t = time.perf_counter()
         tr = rlkit.Trainer(model=args.model, dataset=[{"prompt": p} for p in PROMPTS], reward=share_reward,
-                           algorithm="grpo", plan=rlkit.ParallelPlan(dp=1), cluster=cluster,
-                           rollout=rlkit.Rollout(engine=args.engine, n=WORK["n"],
+                           # dp > 1: replicated weights (DDP): a model this small gains nothing from sharding,
+                           # and each rank's engine then runs on its own training tensors (no gather)
+                           algorithm="grpo", cluster=cluster,
+                           plan=rlkit.ParallelPlan(dp=args.dp, **({"dp_shard": "replicate"} if args.dp > 1 else {})),
+                           # float32 like TRL, which generates with the model it trains (fp32)
+                           rollout=rlkit.Rollout(engine=args.engine, n=WORK["n"], dtype="float32",
                                                  max_new_tokens=WORK["max_new_tokens"],
                                                  temperature=WORK["temperature"]),
                            prompts_per_step=WORK["prompts_per_step"], lr=WORK["lr"], kl_coef=WORK["kl"],
@@ -170,12 +184,15 @@ def main() -> None:
         cpu = cpu_by_process()
     finally:
         t = time.perf_counter()
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        else:
+            tr.close()
         marks["shutdown_s"] = time.perf_counter() - t
     rss.stop()
     res = CLOCK.summary()
     marks["fit_to_first_step_s"] = CLOCK.begins[0] - marks["fit_to_first_step_s"]
-    res.update(side="rlkit", engine=args.engine, version=getattr(rlkit, "__version__", "?"), threads=threads,
+    res.update(side="rlkit", engine=args.engine, dp=args.dp, ray=bool(cluster is not None), version=getattr(rlkit, "__version__", "?"), threads=threads,
                peak_rss_mb=rss.peak_mb, processes=rss.peak_procs, worker_peak_rss_mb=worker_rss,
                phases_median_s=phases, phases_mean_s=means, worker_mean_s=inside, startup_parts_s=marks,
                cpu_s_by_process=cpu, **extra,
