@@ -20,15 +20,16 @@ scaled rope, an active sliding window, DTensor weights, hooks ...); ``HFEngine``
 >>> unsupported(model) is None
 True
 >>> ids, mask = torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]])
->>> new, logits = decode(model, ids, mask, max_new_tokens=4, pick=lambda x: x.argmax(-1), end_ids=[],
-...                      pad_id=0)
->>> new.shape, len(logits), logits[0].dtype
-(torch.Size([2, 4]), 4, torch.float32)
+>>> new, logprobs = decode(model, ids, mask, max_new_tokens=4, pick=lambda x: x.argmax(-1), end_ids=[],
+...                        pad_id=0)
+>>> new.shape, logprobs.shape, bool((logprobs <= 0).all())
+(torch.Size([2, 4]), torch.Size([2, 4]), True)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -102,85 +103,109 @@ def _sliding_window(model: nn.Module) -> int | None:
     return window
 
 
-def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+class _Layer(NamedTuple):
+    """One decoder layer's tensors, read from its modules when a call starts (references, not copies):
+    module attribute lookups cost more than the tiny ops of a small model's decode step."""
+
+    ln1: tuple[torch.Tensor, float]
+    q: tuple[torch.Tensor, torch.Tensor | None]
+    k: tuple[torch.Tensor, torch.Tensor | None]
+    v: tuple[torch.Tensor, torch.Tensor | None]
+    o: tuple[torch.Tensor, torch.Tensor | None]
+    ln2: tuple[torch.Tensor, float]
+    gate: tuple[torch.Tensor, torch.Tensor | None]
+    up: tuple[torch.Tensor, torch.Tensor | None]
+    down: tuple[torch.Tensor, torch.Tensor | None]
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+    @classmethod
+    def of(cls, layer: nn.Module) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        lin = lambda m: (m.weight, m.bias)  # noqa: E731
+        norm = lambda m: (m.weight, m.variance_epsilon)  # noqa: E731
+        return cls(norm(layer.input_layernorm), lin(attn.q_proj), lin(attn.k_proj), lin(attn.v_proj),
+                   lin(attn.o_proj), norm(layer.post_attention_layernorm), lin(mlp.gate_proj), lin(mlp.up_proj),
+                   lin(mlp.down_proj), mlp.act_fn)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's Llama/Qwen2 RMSNorm (float32 statistics, weight applied in the input dtype)."""
     h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * h.to(x.dtype)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 
 
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    return F.linear(x, layer.weight, layer.bias)
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, HF's ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``:
+    the sign lives in ``signed_sin = cat(-sin1, sin2)`` and ``roll`` swaps the halves (bit-identical,
+    fewer ops)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (HF's rotate_half convention)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
            eager: bool) -> torch.Tensor:
-    """Attention of ``q`` (B, Hq, T, d) over ``k, v`` (B, Hq, S, d) with a boolean ``mask`` (B, 1, T, S),
-    the way the model's own implementation computes it (eager: float32 softmax; else SDPA)."""
+    """Attention of ``q`` (B, H, T, d) over ``k, v`` (B, H, S, d); ``bias`` (B, 1, T or 1, S) is 0 where a key
+    is seen, -inf where not (what SDPA makes of a boolean mask). Computed the way the model's own
+    implementation does it (eager: float32 softmax; else SDPA)."""
     if not eager:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale + bias
     return torch.matmul(F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
+def key_bias(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``seen``, -inf elsewhere: the additive form of a boolean attention mask, made once per call."""
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill(~seen, float("-inf"))
+
+
 class _Step:
-    """One forward over new tokens with a preallocated KV cache; built once per ``decode`` call from the
-    model's modules (references, not copies)."""
+    """Forward passes over new tokens with a preallocated KV cache, for one ``decode`` call."""
 
     def __init__(self, model: nn.Module, batch: int, length: int, valid: torch.Tensor, positions: torch.Tensor):
-        self.model, self.layers = model, list(model.model.layers)
-        attn = self.layers[0].self_attn
+        self.layers = [_Layer.of(layer) for layer in model.model.layers]
+        self.embed, self.norm = model.model.embed_tokens.weight, (model.model.norm.weight,
+                                                                   model.model.norm.variance_epsilon)
+        self.head = (model.lm_head.weight, model.lm_head.bias)  # the embedding itself when tied
+        attn = model.model.layers[0].self_attn
         self.head_dim, self.groups, self.scale = attn.head_dim, attn.num_key_value_groups, attn.scaling
         self.kv_heads = model.config.num_key_value_heads
         self.eager = (getattr(model.config, "_attn_implementation", None) or "eager") == "eager"
-        weight = model.model.embed_tokens.weight
-        shape = (batch, self.kv_heads, length, self.head_dim)
-        self.cache = [(torch.empty(shape, dtype=weight.dtype, device=weight.device),
-                       torch.empty(shape, dtype=weight.dtype, device=weight.device)) for _ in self.layers]
+        shape, like = (batch, self.kv_heads, length, self.head_dim), dict(dtype=self.embed.dtype,
+                                                                          device=self.embed.device)
+        self.cache = [(torch.empty(shape, **like), torch.empty(shape, **like)) for _ in self.layers]
         # rotary for every position of the call at once: (B, 1, L, d), broadcast over heads
-        cos, sin = model.model.rotary_emb(weight[:1], positions)
-        self.cos, self.sin = cos[:, None], sin[:, None]
-        self.valid = valid[:, None, None, :]  # (B, 1, 1, L): which keys exist (prompt padding is not)
+        cos, sin = model.model.rotary_emb(self.embed[:1], positions)
+        half = sin.shape[-1] // 2
+        self.cos, self.sin = cos[:, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]
+        # (B, 1, 1, L): keys that exist (prompt padding does not), 0 / -inf
+        self.bias = key_bias(valid[:, None, None, :], self.embed.dtype)
 
-    def __call__(self, ids: torch.Tensor, start: int, mask: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, start: int, bias: torch.Tensor) -> torch.Tensor:
         """Logits (B, V) float32 of the last of ``ids`` (B, T), which sit at cache slots start..start+T-1;
-        ``mask`` (B, 1, T, start+T) says which keys each new token sees."""
+        ``bias`` (B, 1, T, start+T) says which keys each new token sees (``key_bias``)."""
         B, T = ids.shape
-        end = start + T
+        end, d = start + T, self.head_dim
         cos, sin = self.cos[:, :, start:end], self.sin[:, :, start:end]
-        x = F.embedding(ids, self.model.model.embed_tokens.weight)
-        for layer, (k_cache, v_cache) in zip(self.layers, self.cache):
-            attn = layer.self_attn
-            h = rms_norm(x, layer.input_layernorm)
-            q = linear(h, attn.q_proj).view(B, T, -1, self.head_dim).transpose(1, 2)
-            k = linear(h, attn.k_proj).view(B, T, -1, self.head_dim).transpose(1, 2)
-            k_cache[:, :, start:end] = rotate(k, cos, sin)
-            v_cache[:, :, start:end] = linear(h, attn.v_proj).view(B, T, -1, self.head_dim).transpose(1, 2)
-            o = self._attention(rotate(q, cos, sin), k_cache[:, :, :end], v_cache[:, :, :end], mask)
-            x = x + linear(o.transpose(1, 2).reshape(B, T, -1), attn.o_proj)
-            h = rms_norm(x, layer.post_attention_layernorm)
-            mlp = layer.mlp
-            x = x + linear(mlp.act_fn(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
-        h = rms_norm(x[:, -1], self.model.model.norm)
-        return linear(h, self.model.lm_head).float()  # generate's logits are float32 copies
-
-    def _attention(self, q, k, v, mask):
-        B, H, T, d = q.shape
-        if self.groups == 1:
-            return attend(q, k, v, mask, self.scale, self.eager)
-        if T == 1:  # one query: fold the query heads of a KV head into the query axis (no repeat of K/V)
-            o = attend(q.reshape(B, self.kv_heads, self.groups, d), k, v, mask, self.scale, self.eager)
-            return o.reshape(B, H, 1, d)
-        k = k.repeat_interleave(self.groups, dim=1)
-        v = v.repeat_interleave(self.groups, dim=1)
-        return attend(q, k, v, mask, self.scale, self.eager)
+        # heads as (B, heads, T, d); one new token: (B, kv_heads, groups, d), the query heads of a KV
+        # head along the query axis, so attention reads the cache without repeating K/V (HF's pack_gqa)
+        q_shape = (B, self.kv_heads, self.groups, d) if T == 1 else (B, T, -1, d)
+        kv_shape = (B, self.kv_heads, 1, d) if T == 1 else (B, T, -1, d)
+        heads = (lambda t, shape: t.view(shape)) if T == 1 else (lambda t, shape: t.view(shape).transpose(1, 2))
+        x = F.embedding(ids, self.embed)
+        for w, (k_cache, v_cache) in zip(self.layers, self.cache):
+            h = rms_norm(x, *w.ln1)
+            k_cache[:, :, start:end] = rotate(heads(F.linear(h, *w.k), kv_shape), cos, sin)
+            v_cache[:, :, start:end] = heads(F.linear(h, *w.v), kv_shape)
+            q = rotate(heads(F.linear(h, *w.q), q_shape), cos, sin)
+            k, v = k_cache[:, :, :end], v_cache[:, :, :end]
+            if T > 1 and self.groups > 1:
+                k, v = k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)
+            o = attend(q, k, v, bias, self.scale, self.eager)
+            o = o.reshape(B, 1, -1) if T == 1 else o.transpose(1, 2).reshape(B, T, -1)
+            x = x + F.linear(o, *w.o)
+            h = rms_norm(x, *w.ln2)
+            x = x + F.linear(w.act(F.linear(h, *w.gate)) * F.linear(h, *w.up), *w.down)
+        return F.linear(rms_norm(x[:, -1], *self.norm), *self.head).float()  # generate's logits: float32
 
 
 def positions_and_keys(attention_mask: torch.Tensor, max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,17 +226,25 @@ def positions_and_keys(attention_mask: torch.Tensor, max_new_tokens: int) -> tup
     return positions, valid
 
 
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log-probs (B,) of ``tokens`` (B,) under ``softmax(logits / temperature)`` of raw logits (B, V): rlkit's
+    convention, the number the actor recomputes."""
+    return F.log_softmax(logits.float() / temperature, dim=-1).gather(1, tokens[:, None])[:, 0]
+
+
 @torch.no_grad()
 def decode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
            pick: Callable[[torch.Tensor], torch.Tensor], end_ids: Sequence[int], pad_id: int,
-           stop: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """New tokens (B, T <= max_new_tokens) and the raw float32 logits of each step, as ``generate`` returns
-    them (``sequences[:, P:]``, ``logits``) for a left-padded batch.
+           stop: Callable[[torch.Tensor], torch.Tensor] | None = None, temperature: float = 1.0
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """New tokens (B, T <= max_new_tokens) for a left-padded batch, as ``generate`` returns them
+    (``sequences[:, P:]``), and their log-probs (B, T) float32 (``token_logprobs`` at ``temperature``).
 
-    ``pick(logits) -> tokens`` chooses each step's tokens (argmax, or the engine's seeded sampler).
-    A row ends at a token of ``end_ids`` or when ``stop(new_tokens_so_far)`` is True for it; ended
-    rows get ``pad_id`` from then on, and the loop stops once every row has ended (as generate does).
-    The model must pass ``unsupported(model, P + max_new_tokens) is None``.
+    ``pick(logits) -> tokens`` chooses each step's tokens from the raw float32 logits (B, V) (argmax, or
+    the engine's seeded sampler). A row ends at a token of ``end_ids`` or when ``stop(new_tokens_so_far)``
+    is True for it; ended rows get ``pad_id`` from then on, and the loop stops once every row has ended
+    (as generate does). Only one step's logits are alive at a time. The model must pass
+    ``unsupported(model, P + max_new_tokens) is None``.
     """
     device = model.model.embed_tokens.weight.device
     ids, attention_mask = input_ids.to(device), attention_mask.to(device)
@@ -222,19 +255,19 @@ def decode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
     # pad slots stay finite (no real token ever reads them)
     causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
     mask = (causal & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)
-    logits = step(ids, 0, mask[:, None])
+    logits = step(ids, 0, key_bias(mask[:, None], step.embed.dtype))
     ends = torch.tensor(list(end_ids), dtype=torch.long, device=device)
     unfinished = torch.ones(B, dtype=torch.bool, device=device)
-    tokens, all_logits = [], []
+    tokens, logprobs = [], []
     for t in range(max_new_tokens):
-        all_logits.append(logits)
         nxt = torch.where(unfinished, pick(logits), pad_id)
         tokens.append(nxt)
+        logprobs.append(token_logprobs(logits, nxt, temperature))
         if len(ends):
             unfinished &= ~torch.isin(nxt, ends)
         if stop is not None:
             unfinished &= ~stop(torch.stack(tokens, dim=1))
         if t + 1 == max_new_tokens or not bool(unfinished.any()):
             break
-        logits = step(nxt[:, None], P + t, step.valid[:, :, :, :P + t + 1])
-    return torch.stack(tokens, dim=1), all_logits
+        logits = step(nxt[:, None], P + t, step.bias[..., :P + t + 1])
+    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)

@@ -1,8 +1,11 @@
-"""``HFEngine``: rollouts with transformers ``generate`` -- no extra install, fine for small models and tests.
+"""``HFEngine``: rollouts with a transformers model -- no extra install, fine for small models and tests.
 
 Each prompt is repeated ``n`` times and the rows are left-padded into one batch (or chunks of
-``hf_batch_size`` prompts) for one ``generate`` call. Log-probs come from the raw logits ``generate`` returns (``output_logits``),
-divided by the temperature and log-softmaxed: rlkit's convention, the number the actor recomputes.
+``hf_batch_size`` prompts). Llama / Qwen2 / Mistral models decode with rlkit's lean loop
+(``rlkit.rollout.decode``: the same tokens and log-probs as ``generate``, at about half the time per
+step on small models); anything else, or ``Rollout(hf_decode="generate")``, runs ``model.generate``.
+Log-probs come from the raw logits (``generate``'s ``output_logits``), divided by the temperature and
+log-softmaxed: rlkit's convention, the number the actor recomputes.
 (``output_scores`` would instead hold the scores after top-k/top-p masking, which are -inf for tokens
 the actor's forward still gives a probability to.)
 
@@ -19,7 +22,6 @@ import time
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from transformers import (
     GenerationConfig,
     LogitsProcessor,
@@ -30,7 +32,7 @@ from transformers import (
 
 from rlkit.rollout.base import RolloutEngine, left_pad, named_tensor_items
 from rlkit.rollout.config import Rollout, RolloutError
-from rlkit.rollout.decode import decode, unsupported
+from rlkit.rollout.decode import decode, token_logprobs, unsupported
 
 
 def _as_list(x) -> list[int]:
@@ -207,11 +209,7 @@ class HFEngine(RolloutEngine):
             for start in range(0, len(rows), chunk):
                 ids, mask = left_pad(rows[start:start + chunk], self.pad_token_id)
                 sampler = _SeededSampling(row_seeds[start:start + chunk], cfg) if cfg.temperature > 0 else None
-                new, step_logits = self._decode(ids, mask, cfg, sampler)
-                # log-prob of each sampled token under softmax(raw logits / T), one step at a time so the
-                # (rows, vocab) float32 copy exists once, not per step
-                lp = torch.stack([F.log_softmax(step.float() / temp, dim=-1).gather(1, new[:, t:t + 1])[:, 0]
-                                  for t, step in enumerate(step_logits)], dim=1)
+                new, lp = self._decode(ids, mask, cfg, sampler, temp)
                 for row, row_lp in zip(new.tolist(), lp.tolist()):
                     end, reason = len(row), "length"
                     hit = next((t + 1 for t, tok in enumerate(row) if tok in ends), None)
@@ -225,10 +223,10 @@ class HFEngine(RolloutEngine):
                     reasons.append(reason)
         return responses, logprobs, reasons
 
-    def _decode(self, ids: torch.Tensor, mask: torch.Tensor, cfg: Rollout, sampler: _SeededSampling | None
-                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """New tokens (rows, T) and each step's raw logits for one left-padded chunk: the lean loop when it
-        can stand in for ``generate`` on this model (``decode.unsupported``), else ``model.generate``."""
+    def _decode(self, ids: torch.Tensor, mask: torch.Tensor, cfg: Rollout, sampler: _SeededSampling | None,
+                temp: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """New tokens (rows, T) and their log-probs at ``temp`` for one left-padded chunk: the lean loop
+        when it can stand in for ``generate`` on this model (``decode.unsupported``), else ``generate``."""
         why = "hf_decode='generate'" if cfg.hf_decode == "generate" else unsupported(
             self.model, ids.shape[1] + cfg.max_new_tokens)
         self.last_decode = "lean" if why is None else f"generate ({why})"
@@ -240,12 +238,15 @@ class HFEngine(RolloutEngine):
             ends = ([] if cfg.ignore_eos else self.eos_ids) + list(cfg.stop_token_ids)
             return decode(self.model, ids, mask, cfg.max_new_tokens,
                           sampler.pick if sampler is not None else lambda x: x.argmax(-1),
-                          ends, self.pad_token_id, stop)
+                          ends, self.pad_token_id, stop, temp)
         stopping = StoppingCriteriaList([_StopOnStrings(self.tokenizer, cfg.stop, ids.shape[1])] if cfg.stop else [])
         out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                   generation_config=self._generation_config(cfg), stopping_criteria=stopping,
                                   logits_processor=LogitsProcessorList([sampler] if sampler is not None else []))
-        return out.sequences[:, ids.shape[1]:], list(out.logits)
+        new = out.sequences[:, ids.shape[1]:]
+        # log-prob of each sampled token under softmax(raw logits / T), one step at a time so the
+        # (rows, vocab) float32 copy exists once, not per step
+        return new, torch.stack([token_logprobs(step, new[:, t], temp) for t, step in enumerate(out.logits)], 1)
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
