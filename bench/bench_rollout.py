@@ -5,6 +5,14 @@
 
 Default workload: 32 prompts x n=4 x 32 forced tokens on the tiny Qwen2 (head_dim 32, so vLLM's CPU
 kernels run it too). Prints one JSON line per engine.
+
+    python bench/bench_rollout.py --decode                                 # issue 13's tiny Qwen2
+    python bench/bench_rollout.py --decode --model smollm2-135m-instruct
+
+``--decode``: one GRPO step's generation (issue 13: 2 prompts x 4 samples x 32 forced new tokens, 1
+torch thread) three ways on the same model object: raw ``model.generate(do_sample=True)`` (what TRL
+calls), ``HFEngine(hf_decode="generate")`` and ``HFEngine`` with rlkit's lean decode loop. The three
+run interleaved, ``--reps`` rounds; prints the median ms per generate call as a table.
 """
 
 from __future__ import annotations
@@ -48,17 +56,99 @@ def bench(engine: str, prompts: int, n: int, tokens: int, reps: int, size: str, 
     return res
 
 
+def _tiny_spec() -> dict:
+    """Issue 13's tiny Qwen2, as bench_vs_trl.py builds it (read from there, so both benches agree)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_vs_trl import TINY
+
+    return dict(TINY)
+
+
+def bench_decode(model_name: str, reps: int, threads: int) -> list[dict]:
+    """Median ms per generate call: raw HF generate / HFEngine generate path / HFEngine lean path."""
+    import sys
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    import rlkit.models
+    from rlkit.rollout import HFEngine
+    from rlkit.rollout.base import left_pad
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from vs_trl_common import PROMPTS, WORK
+
+    torch.set_num_threads(threads)
+    if model_name == "tiny":
+        spec = _tiny_spec()
+        path = rlkit.models.tiny_lm(spec.pop("arch"), spec.pop("size"), **spec)
+    else:
+        path = rlkit.models.pretrained(model_name)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # what TRL loads (sdpa)
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts, n, new = PROMPTS[:WORK["prompts_per_step"]], WORK["n"], WORK["max_new_tokens"]
+    opts = dict(n=n, max_new_tokens=new, temperature=WORK["temperature"], ignore_eos=True, seed=0)
+    engines = {"generate": HFEngine(model, tok, hf_decode="generate", **opts),
+               "lean": HFEngine(model, tok, hf_decode="auto", **opts)}
+    # TRL's call: the prompts repeated n times, left-padded, multinomial sampling; no end token, so every
+    # row makes `new` tokens, as ignore_eos does for the engines
+    ids, mask = left_pad([p for p in tok(prompts)["input_ids"] for _ in range(n)], tok.pad_token_id or 0)
+    raw_cfg = GenerationConfig(do_sample=True, max_new_tokens=new, temperature=WORK["temperature"], top_k=None,
+                               top_p=1.0, eos_token_id=[], pad_token_id=tok.pad_token_id or 0)
+
+    def raw():
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, generation_config=raw_cfg)
+
+    runs = {"HF generate (raw, TRL's path)": raw,
+            "HFEngine, hf_decode='generate'": lambda: engines["generate"].generate(prompts),
+            "HFEngine, lean loop": lambda: engines["lean"].generate(prompts)}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for f in runs.values():  # warm-up: first calls carry one-off costs
+        f()
+    assert engines["lean"].last_decode == "lean", engines["lean"].last_decode
+    for _ in range(reps):
+        for k, f in runs.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+    rows = len(prompts) * n
+    base = statistics.median(times["HF generate (raw, TRL's path)"])
+    return [{"model": model_name, "path": k, "ms": round(statistics.median(v) * 1e3, 2),
+             "ms_per_token": round(statistics.median(v) * 1e3 / new, 3), "speedup_vs_raw": round(base / statistics.median(v), 2),
+             "work": f"{rows} rows x {new} tokens", "threads": threads} for k, v in times.items()]
+
+
+def print_table(results: list[dict]) -> None:
+    print("| model | path | ms / generate | ms / step | vs raw generate |\n|---|---|---:|---:|---:|")
+    for r in results:
+        print(f"| {r['model']} | {r['path']} | {r['ms']} | {r['ms_per_token']} | {r['speedup_vs_raw']}x |")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", default="hf", choices=["hf", "vllm"])
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=None, help="rounds (default: 3; --decode: 15)")
     ap.add_argument("--size", default="test", help="tiny_lm size: test | small | demo | 10m")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; --decode: 1)")
+    ap.add_argument("--decode", action="store_true", help="raw HF generate vs HFEngine's generate path vs "
+                    "its lean loop on issue 13's step (see above)")
+    ap.add_argument("--model", default="tiny", help="--decode: 'tiny' (issue 13's tiny Qwen2) or a pretrained "
+                    "name such as smollm2-135m-instruct")
     a = ap.parse_args()
-    print(json.dumps(bench(a.engine, a.prompts, a.n, a.tokens, a.reps, a.size, a.threads)))
+    if a.decode:
+        results = bench_decode(a.model, a.reps or 15, a.threads or 1)
+        print_table(results)
+        print(json.dumps(results))
+        return
+    print(json.dumps(bench(a.engine, a.prompts, a.n, a.tokens, a.reps or 3, a.size, a.threads)))
 
 
 if __name__ == "__main__":
