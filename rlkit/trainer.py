@@ -389,7 +389,8 @@ class Trainer:
         if "param_bytes" in sync[0]:  # the generation layout: parameter memory while generating
             row["sync/param_bytes"] = max(s["param_bytes"] for s in sync)
             row["sync/peak_param_bytes"] = max(s["peak_param_bytes"] for s in sync)
-        rss = self.group.call("rss_gb", timeout=c.timeout_s)
+        # colocated: every rank's sync reports its memory; split: the actor's ranks are asked
+        rss = [s["rss_gb"] for s in sync] if self.rollout_group is None else self.group.call("rss_gb", timeout=c.timeout_s)
         if self.rollout_group is not None:
             rss += self.rollout_group.call("rss_gb", timeout=c.timeout_s)
         row["memory/rss_max_gb"] = max(rss)

@@ -127,12 +127,13 @@ class RLWorker:
 
     # ---- weight sync (HybridEngine) ---------------------------------------------------------------
     def sync_weights(self) -> dict[str, float]:
-        """Stream the actor's full weights into the engines; every rank takes part in the gathers.
+        """Stream the actor's full weights into the engines; every rank takes part in the gathers. Returns
+        the bytes moved, the seconds and the rank's ``rss_gb``.
 
         In the generation layout the resharding runs at the start of each ``generate`` (the generation
         copy only exists while it generates): this returns that last resharding's numbers."""
         if self.hybrid is not None:
-            return dict(self.hybrid.last_sync)
+            return dict(self.hybrid.last_sync, rss_gb=_rss_gb())
         t0 = time.perf_counter()
         stream = self.actor.iter_full_weights(to=self.engine_ranks)
         if self.engine is not None:
@@ -140,7 +141,8 @@ class RLWorker:
         for _ in stream:  # drain: the gathers are collectives
             pass
         moved = self.actor.last_transfer.get("bytes", 0.0)
-        return {"bytes": float(moved), "seconds": time.perf_counter() - t0}
+        # the rank's memory rides along: one call a step fewer for the trainer's memory/rss metrics
+        return {"bytes": float(moved), "seconds": time.perf_counter() - t0, "rss_gb": _rss_gb()}
 
     def full_weights(self) -> dict[str, torch.Tensor] | None:
         """Full HF-named actor weights on rank 0 (None elsewhere): for a rollout group on its own pool."""
