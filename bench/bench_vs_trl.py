@@ -6,6 +6,7 @@
     .venv/bin/python bench/bench_vs_trl.py --vllm    # + TRL vllm colocate and rlkit's vLLM engine (~20 s a start)
     .venv/bin/python bench/bench_vs_trl.py --model smollm2-135m-instruct --rounds 1 --steps 6
     .venv/bin/python bench/bench_vs_trl.py --profile # one py-spy'd run of each side: where the time goes
+    .venv/bin/python bench/bench_vs_trl.py --rows ray dp2 bf16   # + rlkit on a Ray worker, at dp=2, bf16 rollout
 
 The work, per step: 2 prompts x 4 completions x up to 32 new tokens (temperature 1), reward = the share of
 completion tokens equal to the token "e", one optimizer step (lr 1e-3, constant, grad-norm clip 1.0), no
@@ -60,11 +61,17 @@ def plan_runs(args: argparse.Namespace) -> list[dict]:
                  cmd=[args.trl_python, str(BENCH / "trl_worker.py")]),
             dict(label="rlkit, HF engine", side="rlkit", engine="hf", key="hf",
                  cmd=[args.rlkit_python, str(BENCH / "rlkit_worker.py"), "--engine", "hf"])]
-    if args.ray_rows:  # the same Trainer on Ray: one worker (what dp=1 cost before it ran in-process), and dp=2
-        runs += [dict(label="rlkit, HF engine, Ray worker", side="rlkit", engine="hf", key="hf-ray",
-                      cmd=[args.rlkit_python, str(BENCH / "rlkit_worker.py"), "--engine", "hf", "--ray"]),
-                 dict(label="rlkit, HF engine, dp=2 (Ray)", side="rlkit", engine="hf", key="hf-dp2",
-                      cmd=[args.rlkit_python, str(BENCH / "rlkit_worker.py"), "--engine", "hf", "--dp", "2"])]
+    extra = {  # more rlkit configurations of the same work (--rows)
+        # the same Trainer on one Ray worker: what dp=1 cost before it ran in-process
+        "ray": dict(label="rlkit, HF engine, Ray worker", flags=["--ray"]),
+        # two Ray ranks at the same global batch, replicated weights (DDP)
+        "dp2": dict(label="rlkit, HF engine, dp=2 (Ray)", flags=["--dp", "2"]),
+        # a bf16 engine fed the fp32 actor's weights after each update (verl's way; TRL + vLLM's too)
+        "bf16": dict(label="rlkit, HF engine, bf16 rollout", flags=["--rollout-dtype", "bfloat16"]),
+    }
+    for key in args.rows:
+        runs.append(dict(label=extra[key]["label"], side="rlkit", engine="hf", key=f"hf-{key}",
+                         cmd=[args.rlkit_python, str(BENCH / "rlkit_worker.py"), "--engine", "hf", *extra[key]["flags"]]))
     if not args.vllm:
         print("vLLM runs: off (pass --vllm to add TRL + vLLM colocate and rlkit's vLLM engine)")
         return runs
@@ -205,8 +212,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads for both sides (default: each side's own: TRL one per core, rlkit 1 per rank)")
     ap.add_argument("--profile", action="store_true", help="one py-spy'd run per side instead of the rounds")
-    ap.add_argument("--ray-rows", action="store_true",
-                    help="add rlkit on one Ray worker and at dp=2 (Ray, same global batch) to the rounds")
+    ap.add_argument("--rows", nargs="*", default=[], choices=("ray", "dp2", "bf16"),
+                    help="more rlkit runs: ray (one Ray worker), dp2 (2 Ray ranks, same global batch), bf16 "
+                         "(a bf16 rollout engine)")
     args = ap.parse_args()
     if args.rounds < 1 or args.steps < 3:
         ap.error(f"--rounds {args.rounds} --steps {args.steps}: need rounds >= 1 and steps >= 3 (2 are warm-up)")

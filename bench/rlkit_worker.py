@@ -96,6 +96,10 @@ def main() -> None:
                          "rlkit.Cluster(cpus_per_worker=N)); default: rlkit's (torch's in-process, 1 CPU a Ray rank)")
     ap.add_argument("--ray", action="store_true",
                     help="run the rank on a Ray worker (rlkit.Cluster) even at dp=1; default: dp=1 runs in-process")
+    ap.add_argument("--rollout-dtype", default="float32",
+                    help="the engine's dtype: float32 (default) generates with the actor's own fp32 tensors, like TRL "
+                         "with HF generate; bfloat16 is a bf16 engine fed the weights after every update (verl's "
+                         "and TRL + vLLM's way)")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks (>1: Ray workers), same global batch")
     args = ap.parse_args()
     rss = PeakRSS().start()
@@ -131,8 +135,7 @@ def main() -> None:
                            # and each rank's engine then runs on its own training tensors (no gather)
                            algorithm="grpo", cluster=cluster,
                            plan=rlkit.ParallelPlan(dp=args.dp, **({"dp_shard": "replicate"} if args.dp > 1 else {})),
-                           # float32 like TRL, which generates with the model it trains (fp32)
-                           rollout=rlkit.Rollout(engine=args.engine, n=WORK["n"], dtype="float32",
+                           rollout=rlkit.Rollout(engine=args.engine, n=WORK["n"], dtype=args.rollout_dtype,
                                                  max_new_tokens=WORK["max_new_tokens"],
                                                  temperature=WORK["temperature"]),
                            prompts_per_step=WORK["prompts_per_step"], lr=WORK["lr"], kl_coef=WORK["kl"],
@@ -192,7 +195,7 @@ def main() -> None:
     rss.stop()
     res = CLOCK.summary()
     marks["fit_to_first_step_s"] = CLOCK.begins[0] - marks["fit_to_first_step_s"]
-    res.update(side="rlkit", engine=args.engine, dp=args.dp, ray=bool(cluster is not None), version=getattr(rlkit, "__version__", "?"), threads=threads,
+    res.update(side="rlkit", engine=args.engine, dp=args.dp, rollout_dtype=args.rollout_dtype, ray=bool(cluster is not None), version=getattr(rlkit, "__version__", "?"), threads=threads,
                peak_rss_mb=rss.peak_mb, processes=rss.peak_procs, worker_peak_rss_mb=worker_rss,
                phases_median_s=phases, phases_mean_s=means, worker_mean_s=inside, startup_parts_s=marks,
                cpu_s_by_process=cpu, **extra,
