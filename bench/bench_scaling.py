@@ -1,9 +1,9 @@
 """How rlkit's GRPO step time scales (issue 13): against batch size, response length and model size.
 
-    .venv/bin/python bench/bench_scaling.py            # 3 rounds of the three sweeps + bench/scaling.png (~4 min)
+    .venv/bin/python bench/bench_scaling.py            # 3 rounds of the three sweeps + bench/scaling.png (~3.5 min)
     .venv/bin/python bench/bench_scaling.py --quick    # a smoke run: 2 points a sweep, 1 round of 1 + 2 steps
     .venv/bin/python bench/bench_scaling.py --no-big   # model sizes without SmolLM2-135M-Instruct
-    .venv/bin/python bench/bench_scaling.py --trl      # + TRL's step time on the model-size sweep (its work)
+    .venv/bin/python bench/bench_scaling.py --trl      # + TRL on the model-size sweep, same rounds (~5.5 min in all)
 
 Every point is an in-process ``rlkit.Trainer`` (dp=1, HF engine in fp32, 1 torch thread) running GRPO with
 ``ignore_eos=True``, so every response has exactly ``max_new_tokens`` tokens. A point's time is the median
@@ -14,8 +14,11 @@ The sweeps run ``--rounds`` times, interleaved, and each point reports the media
 Sweeps: (a) batch = prompts_per_step x n (1x4 ... 16x4) at 32 new tokens, (b) response length (8 ... 128)
 at 2x4, both on bench_vs_trl.py's tiny Qwen2 (``TINY``: 2 layers, hidden 128, tied, vocab 512); (c) model
 size at 2x4x32: that tiny Qwen2, the tiny_lm sizes of rlkit/models/tiny.py, and SmolLM2-135M-Instruct
-(fewer steps). ``--trl`` runs bench/trl_worker.py (TRL 1.16, ``.venv-trl``) on the model-size points; its
-work is bench_vs_trl.py's 2x4x32 but it stops at eos, so its responses may be shorter.
+(fewer steps). ``--trl`` runs bench/trl_worker.py (TRL 1.16 GRPOTrainer, HF generate, ``.venv-trl``, 1 torch
+thread) on the model-size points in each round: its work is bench_vs_trl.py's 2x4x32, but it stops at eos (its
+responses may be a little shorter) and its step time is the median gap between step begins (what the loop
+does between steps included) over the steps after its 2 warm-up steps (1 step on 135M). The batch and length
+sweeps have no TRL points: trl_worker.py runs only bench_vs_trl.py's fixed work.
 """
 
 from __future__ import annotations
@@ -141,14 +144,14 @@ def table(title: str, xname: str, rows: list[tuple[str, dict]], extra: dict[str,
     head = f"| {xname} | step s | generate s | update s | other s | generate share | step s per round |"
     sep = "| --- | ---: | ---: | ---: | ---: | ---: | --- |"
     if extra is not None:
-        head, sep = head + " TRL step s |", sep + " ---: |"
+        head, sep = head + " TRL step s (rounds) |", sep + " ---: |"
     out = [f"**{title}**", "", head, sep]
     for label, r in rows:
         line = (f"| {label} | {r['step']:.3f} | {r['generate']:.3f} | {r['update']:.3f} | {r['other']:.3f} | "
                 f"{r['generate'] / r['step']:.0%} | {', '.join(f'{x:.3f}' for x in r['rounds'])} |")
         if extra is not None:
             t = extra.get(label)
-            line += f" {t['step']:.3f} |" if t else " - |"
+            line += f" {t['step']:.3f} ({', '.join(f'{x:.3f}' for x in t['rounds'])}) |" if t else " - |"
         out.append(line)
     return "\n".join(out)
 
@@ -236,23 +239,25 @@ def main() -> None:
     a_points = [(f"{p}x{n}", dict(model=tiny, prompts_per_step=p, n=n, tokens=32)) for p, n in batches]
     b_points = [(str(t), dict(model=tiny, prompts_per_step=2, n=4, tokens=t)) for t in lengths]
     rounds: list[tuple[list, list, list]] = []
+    trl_runs: dict[str, list[dict]] = {label: [] for label, _ in models}
     for r in range(1 if args.quick else args.rounds):  # the sweeps interleaved: load drifts hit every point
         print(f"round {r + 1}", flush=True)
         rounds.append((sweep("batch", a_points, warmup, steps), sweep("length", b_points, warmup, steps),
                        sweep("model", c_points, warmup, steps)))
+        for label, folder in models if args.trl else ():  # TRL in the same round as rlkit's points
+            res = trl_point(folder, steps=3 if label == "135M" else warmup + steps)
+            if res:
+                trl_runs[label].append(res)
+                print(f"  TRL   {label:>6s}: step {res['step']:.3f} s, {res['tokens_per_step']:.0f} tokens/step",
+                      flush=True)
     a, b, c = (merge([rd[i] for rd in rounds]) for i in range(3))
     for (label, _), (_, r) in zip(models, c):
         r["params"] = sizes[label]
-    c = [(f"{label} ({sizes[label] / 1e6:.2f}M)" if sizes[label] >= 1e6 else f"{label} ({sizes[label] / 1e3:.0f}k)", r)
-         for label, r in c]
-    trl: dict[str, dict] = {}
-    if args.trl:
-        for (label, folder), (shown, _) in zip(models, c):
-            res = trl_point(folder, steps=(3 if label == "135M" else warmup + steps + 2))
-            if res:
-                trl[shown] = res
-                print(f"  TRL {shown}: step {res['step']:.3f} s, {res['tokens_per_step']:.0f} tokens/step",
-                      flush=True)
+    shown = {label: f"{label} ({sizes[label] / 1e6:.2f}M)" if sizes[label] >= 1e6 else f"{label} ({sizes[label] / 1e3:.0f}k)"
+             for label, _ in models}
+    c = [(shown[label], r) for label, r in c]
+    trl = {shown[label]: {"step": statistics.median(x["step"] for x in runs), "rounds": [x["step"] for x in runs]}
+           for label, runs in trl_runs.items() if runs}
     panels = [("(a) batch (prompts x n), 32 tokens, tiny Qwen2", "batch", a),
               ("(b) response length, 2x4, tiny Qwen2", "new tokens", b),
               ("(c) model size, 2x4x32", "model", c)]

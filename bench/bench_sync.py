@@ -1,8 +1,8 @@
 """Weight sync against its floor, over model size (issue 13): bytes and seconds per sync, each through a
 real ``rlkit.Trainer``, beside a plain copy of the same bytes (plus, for dp > 1, their loopback transfer).
 
-    .venv/bin/python bench/bench_sync.py                 # tiny qwen2 sizes, every layout (~4 min here)
-    .venv/bin/python bench/bench_sync.py --big           # + SmolLM2-135M-Instruct (slow: ~3 more minutes)
+    .venv/bin/python bench/bench_sync.py                 # tiny qwen2 sizes, every layout (~3.5 min here)
+    .venv/bin/python bench/bench_sync.py --big           # + SmolLM2-135M-Instruct (~4.5 min in all, load ~1.3)
     .venv/bin/python bench/bench_sync.py --sizes test --layouts a,c --steps 3   # a smoke run
 
 Layouts (each a Trainer that runs ``--steps`` GRPO steps of 2 prompts x 2 samples x 4 tokens; the table
