@@ -102,7 +102,10 @@ class Resharder:
         names = p.device_mesh.mesh_dim_names or ()
         target = [(Shard(dim) if dim is not None else Replicate()) if n == "tp" else Replicate() for n in names]
         mine = p.to_local().detach()
-        if tuple(p.placements) == tuple(target):
+        # a mesh dim of size 1 holds everything whatever its placement (DDP as HSDP with shard groups of
+        # one): only the dims with peers decide whether data must move (no redistribute call, ~0.15 ms each)
+        if all(have == want or size == 1
+               for have, want, size in zip(p.placements, target, p.device_mesh.shape)):
             return mine, 0, True
         piece = p.redistribute(p.device_mesh, target).to_local().detach()
         if piece.untyped_storage().data_ptr() == mine.untyped_storage().data_ptr():
