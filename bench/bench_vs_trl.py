@@ -234,17 +234,29 @@ def main() -> None:
     print(f"model {model}\nmachine: {machine()}\n{args.rounds} rounds x {args.steps} steps, runs: "
           f"{[x['label'] for x in runs]}", flush=True)
     results: dict[str, list[dict]] = {x["label"]: [] for x in runs}
+    failed: dict[str, str] = {}  # label -> the error's last line (the run is not retried)
     for r in range(args.rounds):
         order = runs[r % len(runs):] + runs[:r % len(runs)]
         for x in order:
-            res = run_one(x, model, args.steps, out / f"r{r}-{x['side']}-{x.get('key', x['engine'])}.log",
-                          args.timeout, threads)
+            if x["label"] in failed:
+                continue
+            try:
+                res = run_one(x, model, args.steps, out / f"r{r}-{x['side']}-{x.get('key', x['engine'])}.log",
+                              args.timeout, threads)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:  # one configuration failing: say so, go on
+                failed[x["label"]] = str(e).strip().splitlines()[-1][:300]
+                print(f"round {r + 1}: {x['label']} FAILED: {e}", flush=True)
+                continue
             results[x["label"]].append(res)
             print(f"round {r + 1}: {x['label']:22s} {res['steps_per_s']:.2f} steps/s, start-up "
                   f"{res['startup_s']:.1f} s, {res['threads']} thread(s), peak RSS {res['peak_rss_mb']:.0f} MB, process "
                   f"{res['process_wall_s']:.1f} s, load average before {res['load_avg_1min_before']:.1f}", flush=True)
-    (out / "results.json").write_text(json.dumps({"model": model, "args": vars(args), "results": results}, indent=1))
+    (out / "results.json").write_text(json.dumps({"model": model, "args": vars(args), "results": results,
+                                                  "failed": failed}, indent=1))
+    runs = [x for x in runs if results[x["label"]]]
     print("\n\n".join(["", table(results, runs), phase_table(results, runs), startup_table(results, runs)]))
+    for label, why in failed.items():
+        print(f"\n{label}: failed, {why}")
 
 
 if __name__ == "__main__":
