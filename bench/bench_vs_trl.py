@@ -244,7 +244,8 @@ def main() -> None:
                 res = run_one(x, model, args.steps, out / f"r{r}-{x['side']}-{x.get('key', x['engine'])}.log",
                               args.timeout, threads)
             except (RuntimeError, subprocess.TimeoutExpired) as e:  # one configuration failing: say so, go on
-                failed[x["label"]] = str(e).strip().splitlines()[-1][:300]
+                lines = str(e).strip().splitlines()
+                failed[x["label"]] = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1])[:300]
                 print(f"round {r + 1}: {x['label']} FAILED: {e}", flush=True)
                 continue
             results[x["label"]].append(res)
