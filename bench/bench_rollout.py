@@ -8,6 +8,7 @@ kernels run it too). Prints one JSON line per engine.
 
     python bench/bench_rollout.py --decode                                 # issue 13's tiny Qwen2
     python bench/bench_rollout.py --decode --model smollm2-135m-instruct
+    .venv-vllm/bin/python bench/bench_rollout.py --decode --engine vllm    # raw vllm.LLM.generate vs VLLMEngine
 
 ``--decode``: one GRPO step's generation (issue 13: 2 prompts x 4 samples x 32 forced new tokens, 1
 torch thread) three ways on the same model object: raw ``model.generate(do_sample=True)`` (what TRL
@@ -123,6 +124,51 @@ def bench_decode(model_name: str, reps: int, threads: int) -> list[dict]:
              "work": f"{rows} rows x {new} tokens", "threads": threads} for k, v in times.items()]
 
 
+def bench_vllm_overhead(model_name: str, reps: int) -> list[dict]:
+    """Median ms per call: raw ``vllm.LLM.generate`` against rlkit's ``VLLMEngine.generate`` on the same
+    engine object and the same work (token-id prompts, n samples, forced length, sampled-token log-probs:
+    what rlkit asks vLLM for), so the difference is what rlkit adds around the call."""
+    import sys
+    from pathlib import Path
+
+    from vllm import SamplingParams
+
+    import rlkit.models
+    from rlkit.rollout import Rollout, make_engine
+    from rlkit.rollout.base import tokenize_prompts
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from vs_trl_common import PROMPTS, WORK
+
+    if model_name == "tiny":
+        spec = _tiny_spec()
+        path = rlkit.models.tiny_lm(spec.pop("arch"), spec.pop("size"), **spec)
+    else:
+        path = rlkit.models.pretrained(model_name)
+    prompts, n, new = PROMPTS[:WORK["prompts_per_step"]], WORK["n"], WORK["max_new_tokens"]
+    eng = make_engine(Rollout(engine="vllm", n=n, max_new_tokens=new, temperature=WORK["temperature"],
+                              ignore_eos=True, dtype="float32", kv_cache_gb=1), path)
+    ids = [{"prompt_token_ids": p} for p in tokenize_prompts(prompts, eng.tokenizer)]  # the ids rlkit sends
+    params = SamplingParams(n=n, max_tokens=new, temperature=WORK["temperature"], ignore_eos=True, logprobs=0,
+                            seed=0)
+    runs = {"vllm.LLM.generate (raw)": lambda: eng.llm.generate(ids, params, use_tqdm=False),
+            "VLLMEngine.generate (rlkit)": lambda: eng.generate(prompts)}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for f in runs.values():
+        f()
+    for _ in range(reps):
+        for k, f in runs.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+    eng.close()
+    base = statistics.median(times["vllm.LLM.generate (raw)"])
+    return [{"model": model_name, "path": k, "ms": round(statistics.median(v) * 1e3, 2),
+             "ms_per_token": round(statistics.median(v) * 1e3 / new, 3),
+             "speedup_vs_raw": round(base / statistics.median(v), 2), "work": f"{len(prompts) * n} rows x {new} tokens"}
+            for k, v in times.items()]
+
+
 def print_table(results: list[dict]) -> None:
     print("| model | path | ms / generate | ms / step | vs raw generate |\n|---|---|---:|---:|---:|")
     for r in results:
@@ -143,6 +189,11 @@ def main():
     ap.add_argument("--model", default="tiny", help="--decode: 'tiny' (issue 13's tiny Qwen2) or a pretrained "
                     "name such as smollm2-135m-instruct")
     a = ap.parse_args()
+    if a.decode and a.engine == "vllm":  # run with a python that has vllm (.venv-vllm)
+        results = bench_vllm_overhead(a.model, a.reps or 15)
+        print_table(results)
+        print(json.dumps(results))
+        return
     if a.decode:
         results = bench_decode(a.model, a.reps or 15, a.threads or 1)
         print_table(results)

@@ -14,9 +14,9 @@ keeps the median of rlkit's ``sync/seconds`` and ``sync/bytes`` over the steps a
   rlkit, this script turns off weight sharing (``rlkit.workers.rl._can_share_actor_weights``) in this
   process, where the dp=1 worker runs.
 * b16: dp=1, ``Rollout(dtype="bfloat16")``: the same stream, and the copy also converts fp32 -> bf16.
-* c: dp=2 FSDP full_shard (Ray, ``Cluster(num_cpus=2)``), default Rollout: the Resharder all-gathers each
+* c: dp=2 FSDP full_shard (Ray, ``Cluster(num_cpus=2)``), ``Rollout(tp=1)``: the Resharder all-gathers each
   parameter inside the DP group for the engine.
-* d: dp=2 ``dp_shard="replicate"``, default Rollout: each rank's engine runs on its own replica: 0 bytes.
+* d: dp=2 ``dp_shard="replicate"``, ``Rollout(tp=1)``: each rank's engine runs on its own replica: 0 bytes.
 * e: dp=1 actor + one rollout worker, ``placement="split"``: full weights through Ray's object store.
 
 The floor of B bytes: ``copy_`` of tensors with the model's shapes holding B bytes (same dtypes as the
@@ -47,8 +47,8 @@ LAYOUTS = {
     "a": "dp=1, shared tensors (default)",
     "b": "dp=1, separate fp32 engine (copy)",
     "b16": "dp=1, separate bf16 engine (copy + fp32->bf16)",
-    "c": "dp=2 full_shard, default Rollout (all-gather)",
-    "d": "dp=2 replicate, default Rollout",
+    "c": "dp=2 full_shard, Rollout(tp=1) (all-gather)",
+    "d": "dp=2 replicate, Rollout(tp=1)",
     "e": "dp=1 + split rollout worker (object store)",
 }
 PROMPTS = ["the quick brown fox", "what is two plus two ?", "count the apples :", "a b c d"] * 4
@@ -181,9 +181,9 @@ def run_layout(key: str, model: str, steps: int, cluster_fn) -> dict:
     elif key == "b16":
         kw.update(plan=rlkit.ParallelPlan(), rollout=rlkit.Rollout(**rollout, dtype="bfloat16"))
     elif key == "c":
-        kw.update(plan=rlkit.ParallelPlan(dp=2), rollout=rlkit.Rollout(**rollout), cluster=cluster_fn())
+        kw.update(plan=rlkit.ParallelPlan(dp=2), rollout=rlkit.Rollout(**rollout, tp=1), cluster=cluster_fn())
     elif key == "d":
-        kw.update(plan=rlkit.ParallelPlan(dp=2, dp_shard="replicate"), rollout=rlkit.Rollout(**rollout),
+        kw.update(plan=rlkit.ParallelPlan(dp=2, dp_shard="replicate"), rollout=rlkit.Rollout(**rollout, tp=1),
                   cluster=cluster_fn())
     elif key == "e":
         kw.update(plan=rlkit.ParallelPlan(), rollout=rlkit.Rollout(**rollout), cluster=cluster_fn(),

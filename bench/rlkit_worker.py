@@ -135,7 +135,9 @@ def main() -> None:
                            # and each rank's engine then runs on its own training tensors (no gather)
                            algorithm="grpo", cluster=cluster,
                            plan=rlkit.ParallelPlan(dp=args.dp, **({"dp_shard": "replicate"} if args.dp > 1 else {})),
+                           # dp > 1: tp=1, each rank's engine on its own replica's tensors (no copy)
                            rollout=rlkit.Rollout(engine=args.engine, n=WORK["n"], dtype=args.rollout_dtype,
+                                                 tp=1 if args.dp > 1 else None,
                                                  max_new_tokens=WORK["max_new_tokens"],
                                                  temperature=WORK["temperature"]),
                            prompts_per_step=WORK["prompts_per_step"], lr=WORK["lr"], kl_coef=WORK["kl"],

@@ -63,7 +63,7 @@ class Rollout:
     seed: int = 0                        # call k of an engine uses seed + k unless a call passes seed=
     tp: int | None = None                # generation TP on the training ranks (3D-HybridEngine): every
     #                                      rank generates in groups of tp; None: one engine per DP group
-    #                                      (without TP/PP an HF engine in the actor's dtype runs on the
+    #                                      (on one rank an HF engine in the actor's dtype runs on the
     #                                      actor's own tensors: the layout with tp=1)
     max_prompt_len: int | None = None    # None: the model context minus max_new_tokens
     on_long_prompt: str = "error"        # "error" raises PromptTooLongError; "skip" drops it and reports it

@@ -6,7 +6,7 @@ Two layouts:
 * ``Rollout(tp=None)`` (the default): one engine per DP group, on that group's ``tp=0`` rank of the
   last pipeline stage (the rank ``WorkerGroup.call_dp`` collects results from). After each update the
   new weights stream out of the training layout one tensor at a time, only to the engine ranks, and are
-  loaded into the engine in place. Without TP and PP, an HF engine in the actor's dtype needs no model
+  loaded into the engine in place. On a one-rank plan an HF engine in the actor's dtype needs no model
   of its own: it generates with the actor's tensors (the generation layout below, with ``t_g = 1``).
 * ``Rollout(tp=t_g)``: the 3D-HybridEngine's generation layout (``rlkit.workers.hybrid``). Every rank
   generates, in groups of ``t_g``; each generation resharding moves only what a rank lacks, inside its
@@ -51,7 +51,7 @@ class RLWorker:
         self.hybrid = None
         gen_tp = rollout.tp
         if gen_tp is None and colocate_rollout and _can_share_actor_weights(rollout, model_path, plan, self.actor):
-            gen_tp = 1  # the engine generates with the actor's own tensors (no second model to sync)
+            gen_tp = 1  # one rank: the engine generates with the actor's own tensors (no second model to sync)
         if gen_tp is not None and colocate_rollout:  # every rank generates, in the generation layout
             from rlkit.plan.hybrid import GenerationLayout
             from rlkit.workers.hybrid import HybridRollout
@@ -239,14 +239,16 @@ def rollout_to_batch(engine: Any, batch: dict[str, Any], seed: int, P: int, R: i
 
 
 def _can_share_actor_weights(rollout: Rollout, model_path: str, plan: ParallelPlan, actor: ParallelModel) -> bool:
-    """No TP or PP, and an HF engine that would hold the actor's weights in the actor's dtype: then every rank
-    is its DP group's engine anyway, and the generation layout with t_g = 1 does the same work without a
-    second model. Its engine runs on the actor's own tensors (aliased; under FSDP on the tensors gathered
-    for generation, freed after it), which saves loading the checkpoint twice, a model's worth of memory,
-    and (one rank, or dp_shard="replicate") the weight copy after every update."""
+    """A one-rank plan whose HF engine would hold the actor's weights in the actor's dtype: then the engine
+    can run on the actor's own tensors (the generation layout with t_g = 1 aliases them), which saves
+    loading the checkpoint twice, a model's worth of memory and the weight copy after every update.
+
+    At dp > 1 the default stays one engine per DP group with a copy of its own, streamed after each update
+    (what tutorials 06 and 07 take apart); ``Rollout(tp=1)`` asks for the shared layout there (with
+    ``dp_shard="replicate"`` it aliases too; under FSDP it gathers for generation and frees after)."""
     from rlkit.rollout import engine_name
 
-    if plan.tp * plan.pp != 1 or engine_name(rollout, model_path) != "hf":
+    if plan.world_size != 1 or engine_name(rollout, model_path) != "hf":
         return False
     actor_dtype = next(iter(actor.params)).dtype
     if rollout.dtype != "auto":
