@@ -66,6 +66,7 @@ class TrainerConfig:
     kl_target: float | None = None       # with kl_in_reward: adaptive controller (Ziegler et al. 2019)
     entropy_coef: float = 0.0
     max_grad_norm: float | None = 1.0
+    precision: str = "fp32"              # "bf16-mixed": bf16 autocast on fp32 weights (TRL's bf16=True)
     gamma: float = 1.0                   # GAE (ppo)
     lam: float = 1.0
     critic_lr: float = 1e-4
@@ -79,6 +80,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         from rlkit.algos import AGG_MODES, KL_KINDS
         from rlkit.checks import boolean, choice, integer, number
+        from rlkit.parallel.model import PRECISIONS
 
         err = {"error": TrainerError}
         integer("prompts_per_step", self.prompts_per_step, hint="e.g. prompts_per_step=8", **err)
@@ -110,6 +112,7 @@ class TrainerConfig:
                                f"kl_coef={self.kl_coef}); set both, or kl_target=None")
         number("entropy_coef", self.entropy_coef, ge=0, hint="0 turns the entropy bonus off; e.g. 1e-3", **err)
         number("max_grad_norm", self.max_grad_norm, gt=0, none_ok=True, hint="None turns clipping off", **err)
+        choice("precision", self.precision, tuple(PRECISIONS), **err)
         number("gamma", self.gamma, ge=0, le=1, hint="1.0 for LLM RL", **err)
         number("lam", self.lam, ge=0, le=1, hint="1.0 for LLM RL, 0.95 in classic PPO", **err)
         number("value_clip", self.value_clip, gt=0, none_ok=True, hint="PPO uses 0.2; None turns it off", **err)
@@ -310,7 +313,7 @@ class Trainer:
         return (self.model_path, self.plan), dict(
             rollout=self.rollout, prompt_len=self.prompt_len, actor_lr=c.lr, critic_lr=c.critic_lr,
             max_grad_norm=c.max_grad_norm, need_ref=c.kl_coef > 0, need_critic=self.use_critic, seed=c.seed,
-            colocate_rollout=self.placement != "split")
+            colocate_rollout=self.placement != "split", precision=c.precision)
 
     # ---- the loop --------------------------------------------------------------------------------
     def fit(self, steps: int, *, view: str = "auto"):

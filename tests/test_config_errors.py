@@ -48,6 +48,7 @@ TRAINER_CONFIG_BAD = {
                         "kl_coef > 0"), (-1.0, "kl_target=-1.0 must be a finite number > 0")],
     "entropy_coef": [(-1e-3, "entropy_coef=-0.001 must be a finite number >= 0")],
     "max_grad_norm": [(0, "max_grad_norm=0 must be a finite number > 0 or None")],
+    "precision": [("bf16", "precision='bf16': choose one of ['fp32', 'bf16-mixed']")],
     "gamma": [(1.5, "gamma=1.5 must be a finite number >= 0 and <= 1")],
     "lam": [(-0.1, "lam=-0.1 must be a finite number >= 0 and <= 1")],
     "critic_lr": [(0, "critic_lr=0 must be a finite number > 0")],

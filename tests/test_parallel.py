@@ -74,6 +74,34 @@ def test_stage_matches_hf_with_padding():
     assert torch.isfinite(ent).all() and (ent[:, 1:][valid] > 0).all()
 
 
+def test_scoring_only_response_columns_keeps_their_logprobs_and_grads():
+    # RLWorker scores columns >= P only (set_scoring): those columns, and the gradient of a loss on them,
+    # must equal full scoring; the prompt's columns come back 0; an entropy kept out of autograd has no grad.
+    hf, _ = load(tiny_lm("qwen2", size="test"))
+    ids = torch.randint(3, 200, (3, 10), generator=torch.Generator().manual_seed(1))
+    am = torch.ones_like(ids)
+    am[0, :2] = 0
+    stage = Stage(hf, range(hf.config.num_hidden_layers), first=True, last=True, logprob_chunk=3)
+    P = 6
+
+    def run(first, entropy_grad):
+        stage.zero_grad()
+        stage.score_from, stage.entropy_grad = first, entropy_grad
+        lp, ent = stage(ids, attention_mask=am, labels=ids)
+        (-(lp[:, P:] * am[:, P:]).sum()).backward()
+        return lp.detach(), ent, [p.grad.clone() for p in stage.parameters() if p.grad is not None]
+
+    lp_full, ent_full, g_full = run(1, True)
+    lp_resp, ent_resp, g_resp = run(P, False)
+    assert torch.equal(lp_resp[:, :P], torch.zeros(3, P))
+    assert (lp_resp[:, P:] - lp_full[:, P:]).abs().max().item() < 1e-6
+    assert (ent_resp[:, P:] - ent_full[:, P:].detach()).abs().max().item() < 1e-5
+    assert ent_full.requires_grad and not ent_resp.requires_grad
+    assert len(g_resp) == len(g_full)
+    for a, b in zip(g_resp, g_full):  # fp32, another summation order: 1e-5 of the tensor's largest entry
+        assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item() + 1e-8
+
+
 def test_causal_padding_mask_is_causal_and_hides_pads():
     m = causal_padding_mask(torch.tensor([[0, 1, 1, 1]]), torch.float32)[0, 0]
     allowed = m.eq(0)

@@ -130,6 +130,45 @@ def test_dp1_and_dp2_give_the_same_update_on_the_same_batch(tmp_path):
     assert (after1 - after2)[mask].abs().max().item() < 1e-4
 
 
+def test_bf16_mixed_update_tracks_fp32_on_the_same_batch(tmp_path):
+    """precision="bf16-mixed" (dp=1, in-process): bf16 autocast on fp32 weights. On the same batch its loss,
+    grad norm and updated log-probs stay near fp32's (bf16 has 8 mantissa bits: a few 1e-3 relative), yet
+    differ, so the autocast really ran; weights, grads and AdamW state stay fp32."""
+    results = {}
+    batch = cfg = None
+    for precision in ("fp32", "bf16-mixed"):
+        tr = _trainer(tmp_path, rlkit.ParallelPlan(), steps_dir=precision, precision=precision)
+        try:
+            if batch is None:
+                gen = tr._generate(tr._next_prompts(), seed=7)
+                batch = {k: gen[k] for k in ("input_ids", "attention_mask", "response_mask")}
+                tr._advantages(batch, tr._score(gen), gen["uid"])
+                cfg = tr.update_config()
+            before = tr.group.call_dp("compute", batch, "actor")["logprobs"]
+            stats = tr.group.call_dp("update_actor", batch, cfg)
+            stats = stats[0] if isinstance(stats, list) else stats
+            after = tr.group.call_dp("compute", batch, "actor")["logprobs"]
+            dtypes = tr.group.apply(lambda w: sorted({str(t.dtype) for t in (
+                *w.actor.params, *(p.grad for p in w.actor.params if p.grad is not None),
+                *(v for st in w.actor.optimizer.state.values() for v in st.values() if v.dim()))}))[0]
+            compute = tr.group.apply(lambda w: str(w.actor.stages[0].compute_dtype))[0]
+            results[precision] = dict(before=before, after=after, stats=stats, dtypes=dtypes, compute=compute)
+        finally:
+            tr.close()
+    f32, b16 = results["fp32"], results["bf16-mixed"]
+    assert f32["compute"] == "None" and b16["compute"] == "torch.bfloat16"
+    assert b16["dtypes"] == ["torch.float32"], b16["dtypes"]
+    mask = batch["response_mask"].bool()
+    gap = (b16["before"] - f32["before"])[mask].abs().max().item()
+    assert 0 < gap < 0.05, gap                                   # log-probs of ~-6: under 1% apart
+    for key in ("actor/loss", "actor/grad_norm"):
+        a, b = f32["stats"][key], b16["stats"][key]
+        assert abs(a - b) <= 0.03 * abs(a) + 1e-4, (key, a, b)
+    moved_f32 = (f32["after"] - f32["before"])[mask]             # the update's effect, fp32 against bf16
+    moved_b16 = (b16["after"] - b16["before"])[mask]
+    assert torch.nn.functional.cosine_similarity(moved_f32, moved_b16, dim=0).item() > 0.95
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.parametrize("algorithm, plan", [

@@ -43,26 +43,33 @@ def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> tor
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
-def token_logprobs(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
-                   chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk: int = 1024, *,
+                   first: int = 1, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log p(labels[t] | <t) and entropy, both (B, S) with column 0 = 0 (no prediction).
 
     The vocab-sized logits exist for ``chunk`` positions at a time (fp32 for the softmax), so
-    inference never holds (B, S, V) at once.
+    inference never holds (B, S, V) at once. Only columns ``>= first`` are scored (the others are 0):
+    RL reads the response's columns only, and the prompt's would cost the vocab head for nothing.
+    ``entropy_grad=False`` computes the entropy without autograd (a metric, not a loss term).
 
     >>> head = nn.Linear(4, 10); h = torch.randn(2, 5, 4); ids = torch.randint(0, 10, (2, 5))
     >>> lp, ent = token_logprobs(head, h, ids, chunk=2)
     >>> ref = head(h[:, :-1]).log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     >>> bool(torch.allclose(lp[:, 1:], ref, atol=1e-6)), tuple(ent.shape)
     (True, (2, 5))
+    >>> lp3, _ = token_logprobs(head, h, ids, first=3)
+    >>> bool(torch.equal(lp3[:, :3], torch.zeros(2, 3))), bool(torch.allclose(lp3[:, 3:], lp[:, 3:]))
+    (True, True)
     """
-    h, target = hidden[:, :-1], labels[:, 1:]
+    first = max(1, first)
+    h, target = hidden[:, first - 1:-1], labels[:, first:]
     lps, ents = [], []
     for i in range(0, h.shape[1], chunk):
         logp = head(h[:, i:i + chunk]).float().log_softmax(-1)
         lps.append(logp.gather(-1, target[:, i:i + chunk, None]).squeeze(-1))
-        ents.append(-(logp.exp() * logp).sum(-1))
-    zero = torch.zeros(hidden.shape[0], 1, dtype=torch.float32, device=hidden.device)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ents.append(-(logp.exp() * logp).sum(-1))
+    zero = torch.zeros(hidden.shape[0], min(first, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
     return torch.cat([zero, *lps], 1), torch.cat([zero, *ents], 1)
 
 
@@ -88,6 +95,8 @@ class Stage(nn.Module):
         super().__init__()
         self.first, self.last, self.head, self.logprob_chunk = first, last, head, logprob_chunk
         self.ac = False  # activation checkpointing per decoder layer (see apply.apply_ac)
+        self.score_from, self.entropy_grad = 1, True  # what token_logprobs scores (ParallelModel.set_scoring)
+        self.compute_dtype: torch.dtype | None = None  # bf16: matmuls under autocast, weights stay fp32
         body = hf_model.model
         self.model = nn.Module()
         self.model.embed_tokens = body.embed_tokens if first else None
@@ -100,6 +109,11 @@ class Stage(nn.Module):
             self.value_head = value_head
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):
+        dtype = self.compute_dtype
+        with torch.autocast(x.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            return self._forward(x, attention_mask, labels)
+
+    def _forward(self, x: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):
         h = self.model.embed_tokens(x) if self.first else x
         pos = position_ids_from_mask(attention_mask)
         mask = causal_padding_mask(attention_mask, h.dtype)
@@ -114,7 +128,8 @@ class Stage(nn.Module):
         h = self.model.norm(h)
         if self.head == "value":
             return self.value_head(h).squeeze(-1).float()
-        return token_logprobs(self.lm_head, h, labels, self.logprob_chunk)
+        return token_logprobs(self.lm_head, h, labels, self.logprob_chunk, first=self.score_from,
+                              entropy_grad=self.entropy_grad)
 
 
 def _run_layer(layer: nn.Module, h, mask, pos, pe):

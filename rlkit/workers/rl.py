@@ -38,14 +38,18 @@ class RLWorker:
 
     def __init__(self, model_path: str, plan: ParallelPlan, *, rollout: Rollout, prompt_len: int,
                  actor_lr: float, critic_lr: float = 1e-4, max_grad_norm: float | None = 1.0,
-                 need_ref: bool = False, need_critic: bool = False, seed: int = 0, colocate_rollout: bool = True):
+                 need_ref: bool = False, need_critic: bool = False, seed: int = 0, colocate_rollout: bool = True,
+                 precision: str = "fp32"):
         torch.manual_seed(seed)
         self.plan, self.rank = plan, dist.get_rank()
         self.P, self.R = prompt_len, rollout.max_new_tokens
-        common = dict(max_grad_norm=max_grad_norm, seed=seed, eps=1e-6)
+        common = dict(max_grad_norm=max_grad_norm, seed=seed, eps=1e-6, precision=precision)
         self.actor = ParallelModel(model_path, plan, lr=actor_lr, **common)
         self.ref = ParallelModel(model_path, plan, lr=0.0, **common) if need_ref else None
         self.critic = ParallelModel(model_path, plan, head="value", lr=critic_lr, **common) if need_critic else None
+        for model in (self.actor, self.ref):  # every loss and metric here reads the response's columns only
+            if model is not None:
+                model.set_scoring(first_column=self.P)
         c = plan.coords(self.rank)
         self.dp_rank = c["dp"]
         self.hybrid = None
@@ -93,6 +97,7 @@ class RLWorker:
             g["lr"] = cfg["lr"]
         P, R = self.P, self.R
         stats: list[dict[str, float]] = []
+        self.actor.set_scoring(first_column=P, entropy_grad=bool(cfg["entropy_coef"]))  # else entropy is a metric
 
         def loss_fn(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
             lp, mask = out["logprobs"][:, P:P + R], mb["response_mask"]
