@@ -9,6 +9,7 @@ kernels run it too). Prints one JSON line per engine.
     python bench/bench_rollout.py --decode                                 # issue 13's tiny Qwen2
     python bench/bench_rollout.py --decode --model smollm2-135m-instruct
     .venv-vllm/bin/python bench/bench_rollout.py --decode --engine vllm    # raw vllm.LLM.generate vs VLLMEngine
+    .venv-vllm/bin/python bench/bench_rollout.py --decode --engine vllm --model smollm2-135m-instruct --dtype bfloat16
 
 ``--decode``: one GRPO step's generation (issue 13: 2 prompts x 4 samples x 32 forced new tokens, 1
 torch thread) three ways on the same model object: raw ``model.generate(do_sample=True)`` (what TRL
@@ -68,7 +69,7 @@ def _tiny_spec() -> dict:
     return dict(TINY)
 
 
-def bench_decode(model_name: str, reps: int, threads: int) -> list[dict]:
+def bench_decode(model_name: str, reps: int, threads: int, dtype: str = "float32") -> list[dict]:
     """Median ms per generate call: raw HF generate / HFEngine generate path / HFEngine lean path."""
     import sys
     from pathlib import Path
@@ -89,7 +90,7 @@ def bench_decode(model_name: str, reps: int, threads: int) -> list[dict]:
         path = rlkit.models.tiny_lm(spec.pop("arch"), spec.pop("size"), **spec)
     else:
         path = rlkit.models.pretrained(model_name)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # what TRL loads (sdpa)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))  # TRL loads fp32 (sdpa)
     tok = AutoTokenizer.from_pretrained(path)
     prompts, n, new = PROMPTS[:WORK["prompts_per_step"]], WORK["n"], WORK["max_new_tokens"]
     opts = dict(n=n, max_new_tokens=new, temperature=WORK["temperature"], ignore_eos=True, seed=0)
@@ -119,12 +120,12 @@ def bench_decode(model_name: str, reps: int, threads: int) -> list[dict]:
             times[k].append(time.perf_counter() - t)
     rows = len(prompts) * n
     base = statistics.median(times["HF generate (raw, TRL's path)"])
-    return [{"model": model_name, "path": k, "ms": round(statistics.median(v) * 1e3, 2),
+    return [{"model": model_name, "dtype": dtype, "path": k, "ms": round(statistics.median(v) * 1e3, 2),
              "ms_per_token": round(statistics.median(v) * 1e3 / new, 3), "speedup_vs_raw": round(base / statistics.median(v), 2),
              "work": f"{rows} rows x {new} tokens", "threads": threads} for k, v in times.items()]
 
 
-def bench_vllm_overhead(model_name: str, reps: int) -> list[dict]:
+def bench_vllm_overhead(model_name: str, reps: int, dtype: str = "float32") -> list[dict]:
     """Median ms per call: raw ``vllm.LLM.generate`` against rlkit's ``VLLMEngine.generate`` on the same
     engine object and the same work (token-id prompts, n samples, forced length, sampled-token log-probs:
     what rlkit asks vLLM for), so the difference is what rlkit adds around the call."""
@@ -147,7 +148,7 @@ def bench_vllm_overhead(model_name: str, reps: int) -> list[dict]:
         path = rlkit.models.pretrained(model_name)
     prompts, n, new = PROMPTS[:WORK["prompts_per_step"]], WORK["n"], WORK["max_new_tokens"]
     eng = make_engine(Rollout(engine="vllm", n=n, max_new_tokens=new, temperature=WORK["temperature"],
-                              ignore_eos=True, dtype="float32", kv_cache_gb=1), path)
+                              ignore_eos=True, dtype=dtype, kv_cache_gb=1), path)
     ids = [{"prompt_token_ids": p} for p in tokenize_prompts(prompts, eng.tokenizer)]  # the ids rlkit sends
     params = SamplingParams(n=n, max_tokens=new, temperature=WORK["temperature"], ignore_eos=True, logprobs=0,
                             seed=0)
@@ -163,7 +164,7 @@ def bench_vllm_overhead(model_name: str, reps: int) -> list[dict]:
             times[k].append(time.perf_counter() - t)
     eng.close()
     base = statistics.median(times["vllm.LLM.generate (raw)"])
-    return [{"model": model_name, "path": k, "ms": round(statistics.median(v) * 1e3, 2),
+    return [{"model": model_name, "dtype": dtype, "path": k, "ms": round(statistics.median(v) * 1e3, 2),
              "ms_per_token": round(statistics.median(v) * 1e3 / new, 3),
              "speedup_vs_raw": round(base / statistics.median(v), 2), "work": f"{len(prompts) * n} rows x {new} tokens"}
             for k, v in times.items()]
@@ -188,14 +189,15 @@ def main():
                     "its lean loop on issue 13's step (see above)")
     ap.add_argument("--model", default="tiny", help="--decode: 'tiny' (issue 13's tiny Qwen2) or a pretrained "
                     "name such as smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="float32", help="--decode: the model's dtype (float32, bfloat16)")
     a = ap.parse_args()
     if a.decode and a.engine == "vllm":  # run with a python that has vllm (.venv-vllm)
-        results = bench_vllm_overhead(a.model, a.reps or 15)
+        results = bench_vllm_overhead(a.model, a.reps or 15, a.dtype)
         print_table(results)
         print(json.dumps(results))
         return
     if a.decode:
-        results = bench_decode(a.model, a.reps or 15, a.threads or 1)
+        results = bench_decode(a.model, a.reps or 15, a.threads or 1, a.dtype)
         print_table(results)
         print(json.dumps(results))
         return

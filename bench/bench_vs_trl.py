@@ -6,7 +6,7 @@
     .venv/bin/python bench/bench_vs_trl.py --vllm    # + TRL vllm colocate and rlkit's vLLM engine (~20 s a start)
     .venv/bin/python bench/bench_vs_trl.py --model smollm2-135m-instruct --rounds 1 --steps 6
     .venv/bin/python bench/bench_vs_trl.py --profile # one py-spy'd run of each side: where the time goes
-    .venv/bin/python bench/bench_vs_trl.py --rows ray dp2 bf16   # + rlkit on a Ray worker, at dp=2, bf16 rollout
+    .venv/bin/python bench/bench_vs_trl.py --rows ray dp2 bf16   # + rlkit on a Ray worker, at dp=2; both sides in bf16
 
 The work, per step: 2 prompts x 4 completions x up to 32 new tokens (temperature 1), reward = the share of
 completion tokens equal to the token "e", one optimizer step (lr 1e-3, constant, grad-norm clip 1.0), no
@@ -66,9 +66,14 @@ def plan_runs(args: argparse.Namespace) -> list[dict]:
         "ray": dict(label="rlkit, HF engine, Ray worker", flags=["--ray"]),
         # two Ray ranks at the same global batch, replicated weights (DDP)
         "dp2": dict(label="rlkit, HF engine, dp=2 (Ray)", flags=["--dp", "2"]),
-        # a bf16 engine fed the fp32 actor's weights after each update (verl's way; TRL + vLLM's too)
-        "bf16": dict(label="rlkit, HF engine, bf16 rollout", flags=["--rollout-dtype", "bfloat16"]),
+        # a bf16 engine fed the fp32 actor's weights after each update (verl's way; TRL + vLLM's too), and
+        # a bf16-mixed update (autocast on fp32 weights): what TRL's bf16=True does to both
+        "bf16": dict(label="rlkit, HF engine, bf16 (rollout + bf16-mixed update)",
+                     flags=["--rollout-dtype", "bfloat16", "--precision", "bf16-mixed"]),
     }
+    if "bf16" in args.rows:  # TRL's own mixed precision: its best configuration may be bf16 too
+        runs.append(dict(label="TRL, HF generate, bf16", side="trl", engine="hf-bf16", key="hf-bf16",
+                         cmd=[args.trl_python, str(BENCH / "trl_worker.py"), "--bf16"]))
     for key in args.rows:
         runs.append(dict(label=extra[key]["label"], side="rlkit", engine="hf", key=f"hf-{key}",
                          cmd=[args.rlkit_python, str(BENCH / "rlkit_worker.py"), "--engine", "hf", *extra[key]["flags"]]))
@@ -85,6 +90,11 @@ def plan_runs(args: argparse.Namespace) -> list[dict]:
     if python_with(args.vllm_python, "vllm", "rlkit"):
         runs.append(dict(label="rlkit, vLLM engine", side="rlkit", engine="vllm",
                          cmd=[args.vllm_python, str(BENCH / "rlkit_worker.py"), "--engine", "vllm"]))
+        if "bf16" in args.rows:  # the vLLM engine in bf16, fed the fp32 actor's weights after each update
+            runs.append(dict(label="rlkit, vLLM engine, bf16 (rollout + bf16-mixed update)", side="rlkit",
+                             engine="vllm", key="vllm-bf16",
+                             cmd=[args.vllm_python, str(BENCH / "rlkit_worker.py"), "--engine", "vllm",
+                                  "--rollout-dtype", "bfloat16", "--precision", "bf16-mixed"]))
     else:
         print(f"skip rlkit + vLLM: {args.vllm_python} cannot import vllm and rlkit (`make setup-vllm` adds vLLM "
               f"to .venv: then pass --vllm-python .venv/bin/python)")

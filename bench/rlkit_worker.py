@@ -100,6 +100,8 @@ def main() -> None:
                     help="the engine's dtype: float32 (default) generates with the actor's own fp32 tensors, like TRL "
                          "with HF generate; bfloat16 is a bf16 engine fed the weights after every update (verl's "
                          "and TRL + vLLM's way)")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16-mixed"),
+                    help="the update's precision: bf16-mixed is bf16 autocast on fp32 weights (TRL's bf16=True)")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks (>1: Ray workers), same global batch")
     args = ap.parse_args()
     rss = PeakRSS().start()
@@ -141,7 +143,7 @@ def main() -> None:
                                                  max_new_tokens=WORK["max_new_tokens"],
                                                  temperature=WORK["temperature"]),
                            prompts_per_step=WORK["prompts_per_step"], lr=WORK["lr"], kl_coef=WORK["kl"],
-                           max_grad_norm=WORK["max_grad_norm"], seed=WORK["seed"],
+                           max_grad_norm=WORK["max_grad_norm"], seed=WORK["seed"], precision=args.precision,
                            run_dir=args.run_dir or tempfile.mkdtemp(prefix="rlkit-bench-"))
         marks["trainer_s"] = time.perf_counter() - t
         marks.update({f"workers_{k}": v for k, v in tr.group.timings.items()})
@@ -197,7 +199,7 @@ def main() -> None:
     rss.stop()
     res = CLOCK.summary()
     marks["fit_to_first_step_s"] = CLOCK.begins[0] - marks["fit_to_first_step_s"]
-    res.update(side="rlkit", engine=args.engine, dp=args.dp, rollout_dtype=args.rollout_dtype, ray=bool(cluster is not None), version=getattr(rlkit, "__version__", "?"), threads=threads,
+    res.update(side="rlkit", engine=args.engine, dp=args.dp, rollout_dtype=args.rollout_dtype, precision=args.precision, ray=bool(cluster is not None), version=getattr(rlkit, "__version__", "?"), threads=threads,
                peak_rss_mb=rss.peak_mb, processes=rss.peak_procs, worker_peak_rss_mb=worker_rss,
                phases_median_s=phases, phases_mean_s=means, worker_mean_s=inside, startup_parts_s=marks,
                cpu_s_by_process=cpu, **extra,

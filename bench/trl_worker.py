@@ -1,6 +1,6 @@
 """One TRL GRPOTrainer run of bench_vs_trl.py's work, in its own process (run by the TRL venv's python).
 
-    .venv-trl/bin/python bench/trl_worker.py MODEL_DIR STEPS [--vllm]
+    .venv-trl/bin/python bench/trl_worker.py MODEL_DIR STEPS [--vllm] [--bf16]
 
 Prints ``RESULT {json}``: steps/s and tokens/s after the warm-up steps, start-up (process start to the
 first step begun), peak RSS, and the seconds spent inside ``generate`` per step.
@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("steps", type=int)
     ap.add_argument("--vllm", action="store_true", help="TRL's vllm_mode='colocate' (needs vllm in this venv)")
+    ap.add_argument("--bf16", action="store_true", help="GRPOConfig(bf16=True): TRL's mixed precision (autocast)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     ap.add_argument("--out", default=None, help="TRL's output_dir (nothing is saved; default: a temp dir)")
     args = ap.parse_args()
@@ -75,7 +76,7 @@ def main() -> None:
 
     vllm = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 256} if args.vllm else {}
     cfg = GRPOConfig(
-        output_dir=args.out or tempfile.mkdtemp(prefix="trl-bench-"), use_cpu=True, bf16=False, fp16=False,
+        output_dir=args.out or tempfile.mkdtemp(prefix="trl-bench-"), use_cpu=True, bf16=args.bf16, fp16=False,
         per_device_train_batch_size=WORK["prompts_per_step"] * WORK["n"], num_generations=WORK["n"],
         gradient_accumulation_steps=1, max_completion_length=WORK["max_new_tokens"],
         temperature=WORK["temperature"], learning_rate=WORK["lr"], lr_scheduler_type="constant",
@@ -92,7 +93,7 @@ def main() -> None:
     res = CLOCK.summary()
     marks["train_to_first_step_s"] = CLOCK.begins[0] - t
     w = len(gen_s) - res["measured_steps"]
-    res.update(side="trl", engine="vllm" if args.vllm else "hf", version=trl.__version__,
+    res.update(side="trl", engine="vllm" if args.vllm else "hf", bf16=args.bf16, version=trl.__version__,
                threads=torch.get_num_threads(), peak_rss_mb=rss.peak_mb, processes=rss.peak_procs,
                generate_s_per_step=(sum(gen_s[w:]) / res["measured_steps"]) if gen_s and w >= 0 else None,
                wall_s=time.perf_counter() - CLOCK.t0_perf, startup_parts_s=marks,
