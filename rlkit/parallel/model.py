@@ -97,8 +97,10 @@ class ParallelModel:
             raise PlanError(f"precision={precision!r} is not one of {sorted(PRECISIONS)}; e.g. "
                             f"precision='bf16-mixed' for bf16 compute on fp32 weights")
         # A local checkpoint loads sharded: built on meta, each rank reads only the shards it keeps
-        # (loading.py). A module (or a hub id) is loaded whole, then sliced.
-        sharded = can_load_sharded(model)
+        # (loading.py). A module (or a hub id) is loaded whole, then sliced; so is a one-rank plan's
+        # checkpoint, which that rank keeps whole anyway (from_pretrained maps the file: 0.06 s against
+        # 0.3-0.5 s to fill an empty SmolLM2-135M tensor by tensor).
+        sharded = can_load_sharded(model) and plan.world_size > 1
         hf = empty_model(model) if sharded else load_hf(model)
         plan.validate(model=hf.config)
         self.plan, self.config, self.head = plan, hf.config, head
