@@ -682,10 +682,10 @@ def _config_with(config: TrainerConfig | None, overrides: dict[str, Any]) -> Tra
 
 
 def _load_tokenizer(model_path: str):
-    from transformers import AutoTokenizer
+    from rlkit.rollout.base import load_tokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_path)
+        return load_tokenizer(model_path)
     except Exception as e:  # no tokenizer files, an unknown tokenizer class, a broken download
         raise TrainerError(f"cannot load a tokenizer from model {model_path!r} ({type(e).__name__}: "
                            f"{str(e).splitlines()[0][:200] if str(e) else ''}); the checkpoint needs its "

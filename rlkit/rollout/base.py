@@ -9,15 +9,44 @@ anything is generated, and both engines fill the same ``RolloutBatch`` through `
 from __future__ import annotations
 
 import numbers
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlkit.rollout.config import PromptTooLongError, Rollout, RolloutError
+
+_TOKENIZERS: dict[tuple, Any] = {}
+
+
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """``AutoTokenizer.from_pretrained(path)``, loaded once per process for a local folder.
+
+    The driver and an in-process worker (one-rank plans) read the same tokenizer; a second load costs
+    0.3 s at SmolLM2's 49k vocab. Keyed on the folder and its tokenizer files' mtimes, so a folder
+    rewritten in place loads anew. rlkit never mutates a tokenizer it did not copy.
+
+    >>> from rlkit.models import tiny_lm
+    >>> path = tiny_lm("qwen2", size="test")
+    >>> load_tokenizer(path) is load_tokenizer(path)
+    True
+    """
+    from transformers import AutoTokenizer
+
+    folder = Path(path)
+    if not folder.is_dir():  # a hub id: transformers' own cache applies
+        return AutoTokenizer.from_pretrained(str(path))
+    files = tuple(sorted((f.name, f.stat().st_mtime_ns) for f in folder.iterdir()
+                         if f.is_file() and any(k in f.name for k in ("token", "vocab", "merges", "chat_template"))))
+    key = (str(folder.resolve()), files)
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = AutoTokenizer.from_pretrained(str(path))
+    return _TOKENIZERS[key]
 
 
 @dataclass

@@ -161,14 +161,16 @@ class HFEngine(RolloutEngine):
             import dataclasses
             config = dataclasses.replace(config, **options)
         if isinstance(model_or_path, (str, bytes)) or hasattr(model_or_path, "__fspath__"):
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            from transformers import AutoModelForCausalLM
+
+            from rlkit.rollout.base import load_tokenizer
 
             path = str(model_or_path)
             dtype = "auto" if config.dtype == "auto" else getattr(torch, config.dtype)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
             if torch.cuda.is_available():
                 model = model.to("cuda")
-            tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
+            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         else:
             model = model_or_path
         self.model = model  # generate() runs it in eval mode and restores its mode afterwards

@@ -102,9 +102,11 @@ class VLLMEngine(RolloutEngine):
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(config.kv_cache_gb)))  # whole GB only
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # keep notebooks quiet
         _quiet_reload_warning()
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
         from vllm import LLM
         from vllm.platforms import current_platform
+
+        from rlkit.rollout.base import load_tokenizer
 
         self.on_cpu = current_platform.is_cpu()
         hf_cfg = AutoConfig.from_pretrained(path)
@@ -138,7 +140,7 @@ class VLLMEngine(RolloutEngine):
         self.names = checkpoint_names(path)
         # tied embeddings: the checkpoint holds no lm_head.weight; see load_weights
         self.tied = bool(getattr(hf_cfg, "tie_word_embeddings", False))
-        tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(path)
+        tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         super().__init__(config, tokenizer, max_model_len, int(pad if pad is not None else 0))
 

@@ -55,12 +55,11 @@ class HybridRollout:
             self.engine = make_engine(rollout, model_path)  # holds its own copy; loaded after each reshard
             self.shell = None
         else:
-            from transformers import AutoTokenizer
-
+            from rlkit.rollout.base import load_tokenizer
             from rlkit.rollout.hf import HFEngine
 
             self.shell, self.slots = _engine_shell(model_path, actor, layout.tp, self.resharder.tp_mesh)
-            self.engine = HFEngine(self.shell, AutoTokenizer.from_pretrained(model_path), rollout)
+            self.engine = HFEngine(self.shell, load_tokenizer(model_path), rollout)
             self.engine.device = actor.device
         self.last_sync: dict[str, float] = {"bytes": 0.0, "seconds": 0.0, "param_bytes": 0.0, "peak_param_bytes": 0.0}
         self.prompts_generated = 0  # prompts this rank's generation group sampled, over all calls
