@@ -58,15 +58,16 @@ def bench(engine: str, prompts: int, n: int, tokens: int, reps: int, size: str, 
     return res
 
 
-def _tiny_spec() -> dict:
-    """Issue 13's tiny Qwen2, as bench_vs_trl.py builds it (read from there, so both benches agree)."""
+def _model_path(name: str) -> str:
+    """The model folder of ``name`` as bench_vs_trl.py resolves it ("tiny": issue 13's tiny Qwen2), so both
+    benches run the same model."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_vs_trl import TINY
+    from bench_vs_trl import model_folder
 
-    return dict(TINY)
+    return model_folder(name)
 
 
 def bench_decode(model_name: str, reps: int, threads: int, dtype: str = "float32") -> list[dict]:
@@ -77,7 +78,6 @@ def bench_decode(model_name: str, reps: int, threads: int, dtype: str = "float32
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    import rlkit.models
     from rlkit.rollout import HFEngine
     from rlkit.rollout.base import left_pad
 
@@ -85,11 +85,7 @@ def bench_decode(model_name: str, reps: int, threads: int, dtype: str = "float32
     from vs_trl_common import PROMPTS, WORK
 
     torch.set_num_threads(threads)
-    if model_name == "tiny":
-        spec = _tiny_spec()
-        path = rlkit.models.tiny_lm(spec.pop("arch"), spec.pop("size"), **spec)
-    else:
-        path = rlkit.models.pretrained(model_name)
+    path = _model_path(model_name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))  # TRL loads fp32 (sdpa)
     tok = AutoTokenizer.from_pretrained(path)
     prompts, n, new = PROMPTS[:WORK["prompts_per_step"]], WORK["n"], WORK["max_new_tokens"]
@@ -134,18 +130,13 @@ def bench_vllm_overhead(model_name: str, reps: int, dtype: str = "float32") -> l
 
     from vllm import SamplingParams
 
-    import rlkit.models
     from rlkit.rollout import Rollout, make_engine
     from rlkit.rollout.base import tokenize_prompts
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from vs_trl_common import PROMPTS, WORK
 
-    if model_name == "tiny":
-        spec = _tiny_spec()
-        path = rlkit.models.tiny_lm(spec.pop("arch"), spec.pop("size"), **spec)
-    else:
-        path = rlkit.models.pretrained(model_name)
+    path = _model_path(model_name)
     prompts, n, new = PROMPTS[:WORK["prompts_per_step"]], WORK["n"], WORK["max_new_tokens"]
     eng = make_engine(Rollout(engine="vllm", n=n, max_new_tokens=new, temperature=WORK["temperature"],
                               ignore_eos=True, dtype=dtype, kv_cache_gb=1), path)

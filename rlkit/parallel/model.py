@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from rlkit.checks import choice
 from rlkit.errors import PlanError
 from rlkit.parallel.apply import apply_ac, apply_fsdp, apply_tp
 from rlkit.parallel.dist import build_mesh, device_type, fsdp_mesh
@@ -93,9 +94,7 @@ class ParallelModel:
                  max_grad_norm: float | None = 1.0, activation_checkpointing: bool = False,
                  layer_split: list[int] | None = None, seed: int = 0, logprob_chunk: int = 1024,
                  mesh=None, mp_policy=None, precision: str = "fp32"):
-        if precision not in PRECISIONS:
-            raise PlanError(f"precision={precision!r} is not one of {sorted(PRECISIONS)}; e.g. "
-                            f"precision='bf16-mixed' for bf16 compute on fp32 weights")
+        choice("precision", precision, tuple(PRECISIONS), error=PlanError)
         # A local checkpoint loads sharded: built on meta, each rank reads only the shards it keeps
         # (loading.py). A module (or a hub id) is loaded whole, then sliced; so is a one-rank plan's
         # checkpoint, which that rank keeps whole anyway (from_pretrained maps the file: 0.06 s against
@@ -190,7 +189,7 @@ class ParallelModel:
         if self.head != "lm":
             raise PlanError(f"set_scoring applies to head='lm' (log-probs), not head={self.head!r}")
         for st in self.stages:
-            st.score_from, st.entropy_grad = max(1, int(first_column)), bool(entropy_grad)
+            st.score_from, st.entropy_grad = int(first_column), bool(entropy_grad)  # token_logprobs clamps to >= 1
 
     # ---- forward only ------------------------------------------------------------------------------
     @torch.no_grad()

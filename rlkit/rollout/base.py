@@ -29,7 +29,8 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
 
     The driver and an in-process worker (one-rank plans) read the same tokenizer; a second load costs
     0.3 s at SmolLM2's 49k vocab. Keyed on the folder and its tokenizer files' mtimes, so a folder
-    rewritten in place loads anew. rlkit never mutates a tokenizer it did not copy.
+    rewritten in place loads anew. Callers share the object: change it only inside a call and restore
+    it (as ``rlkit.tasks.sft.evaluate`` does with ``padding_side``).
 
     >>> from rlkit.models import tiny_lm
     >>> path = tiny_lm("qwen2", size="test")
