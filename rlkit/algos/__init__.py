@@ -37,7 +37,7 @@ from rlkit.algos.losses import (
     AGG_MODES,
     aggregate,
     entropy_bonus,
-    entropy_from_logits,
+    entropy_from_logprobs,
     policy_loss,
     value_loss,
 )
@@ -47,7 +47,7 @@ __all__ = [
     "ADVANTAGES", "AGG_MODES", "KL_KINDS",
     "register_advantage", "get_advantage", "compute_advantages",
     "gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
-    "aggregate", "policy_loss", "value_loss", "entropy_from_logits", "entropy_bonus",
+    "aggregate", "policy_loss", "value_loss", "entropy_from_logprobs", "entropy_bonus",
     "kl_penalty", "kl_loss", "apply_kl_penalty", "FixedKLController", "AdaptiveKLController",
     "masked_mean", "masked_sum", "masked_whiten", "last_token_rewards",
 ]

@@ -147,26 +147,25 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return loss, {"vf_clipfrac": clipfrac.item(), "vpred_mean": masked_mean(v.detach(), m).item()}
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dim: ``H = logsumexp(z) - sum softmax(z) * z``.
+def entropy_from_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
+    """Entropy ``H = -sum p log p`` over the last dim, from log-probabilities (a ``log_softmax``).
 
-    Logits are shifted by their max first (entropy is shift-invariant) so huge logits keep their
-    precision, and gaps beyond 1e4 (probability exactly 0 in any float type) are clamped so ``-inf``
-    logits (masked vocabulary) give neither ``0 * inf = NaN`` nor a NaN gradient.
+    The one entropy rlkit computes: ``rlkit.parallel.token_logprobs`` calls it on the log-softmax it
+    already has for the sampled tokens' log-probs. A ``-inf`` log-prob (a masked vocabulary entry,
+    probability exactly 0) adds 0 rather than ``0 * inf = NaN``, with a finite gradient.
 
     >>> import torch
-    >>> entropy_from_logits(torch.tensor([[0., 0., 0., 0.], [1e4, 0., 0., 0.], [0., 0., -float("inf"), 0.]]))
+    >>> logits = torch.tensor([[0., 0., 0., 0.], [1e4, 0., 0., 0.], [0., 0., -float("inf"), 0.]])
+    >>> entropy_from_logprobs(logits.log_softmax(-1)).abs()   # abs: 0 * -1e4 sums to -0.0
     tensor([1.3863, 0.0000, 1.0986])
     """
-    z = at_least_fp32(logits)
-    z = (z - z.max(dim=-1, keepdim=True).values.detach()).clamp(min=-1e4)
-    p = torch.softmax(z, dim=-1)
-    return torch.logsumexp(z, dim=-1) - (p * z).sum(-1)
+    return -(logprobs.exp() * logprobs.clamp(min=torch.finfo(logprobs.dtype).min)).sum(-1)
 
 
 def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, coef: float,
                   agg: str = "token-mean") -> torch.Tensor:
-    """The loss term ``-coef * aggregate(entropy)``: add it to the loss to reward exploration.
+    """The loss term ``-coef * aggregate(entropy)``: add it to the loss to reward exploration (the actor's
+    update does, with ``entropy_coef``).
 
     Negative because the optimiser minimises: lower loss = higher entropy.
 

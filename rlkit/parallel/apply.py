@@ -93,7 +93,7 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, dp_shard: str = "full_sha
     ``mp_policy``: an FSDP ``MixedPrecisionPolicy`` (bf16 params / fp32 reduce on GPU; default:
     ``default_mp_policy()``).
 
-    >>> apply_fsdp(stage, fsdp_mesh(mesh), "full_shard")     # doctest: +SKIP
+    >>> apply_fsdp(stage, build_groups(plan).fsdp_mesh, "full_shard")     # doctest: +SKIP
     """
     from torch.distributed.fsdp import fully_shard
 

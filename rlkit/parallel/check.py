@@ -203,7 +203,7 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
 
     # 5. save -> load into a fresh ParallelModel -> continue == uninterrupted run
     if ckpt is not None:
-        pm2 = ParallelModel(model, plan, head=head, max_grad_norm=max_grad_norm, seed=seed, mesh=pm.mesh, **opt)
+        pm2 = ParallelModel(model, plan, head=head, max_grad_norm=max_grad_norm, seed=seed, groups=pm.groups, **opt)
         pm2.load(ckpt)
         resumed_step = pm2.step
         for b in batches[1:]:

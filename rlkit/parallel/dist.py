@@ -1,5 +1,6 @@
-"""Process groups and device meshes: the plumbing every rank runs first.
+"""Joining the world's process group, and failing fast when one rank fails: what every rank runs first.
 
+The groups inside the world (meshes, pipeline ends, generation groups) are built in ``groups.py``.
 Nothing here assumes torchrun: ``init_distributed`` only reads the standard env variables
 (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), which torchrun sets and which a Ray
 worker group can set itself before calling it.
@@ -19,10 +20,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from rlkit.errors import PlanError, WorkerError
-from rlkit.plan.topology import ParallelPlan
+from rlkit.errors import WorkerError
 
 ERROR_KEY = "rlkit/error"
 ACK_KEY = "rlkit/error_acks"
@@ -60,43 +59,6 @@ def init_distributed(timeout_s: float = 120.0, backend: str | None = None) -> tu
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
-
-
-def device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def build_mesh(plan: ParallelPlan, device: str | None = None) -> DeviceMesh:
-    """The DeviceMesh of a plan, with dims named pp / dp / tp (sizes 1 included).
-
-    With ``dp_shard="hybrid_shard"`` or ``"replicate"`` the dp dim is split in two,
-    ``(dp_replicate, dp_shard)``, the 2D mesh FSDP2 uses for HSDP ("replicate" is HSDP with
-    shard groups of one rank, i.e. DDP), and ``mesh["dp"]`` is their flattened view for data.
-
-    >>> build_mesh(ParallelPlan(dp=2, tp=2, pp=2))  # on 8 ranks  # doctest: +SKIP
-    DeviceMesh('cpu', [[[0, 1], [2, 3]], [[4, 5], [6, 7]]], mesh_dim_names=('pp', 'dp', 'tp'))
-    """
-    world = dist.get_world_size()
-    if world != plan.world_size:
-        raise PlanError(f"plan {plan.describe()} needs world_size={plan.world_size} processes but this "
-                        f"group has {world}; launch with --nproc-per-node {plan.world_size} or change the plan")
-    shape, names = plan.mesh_shape()
-    hsdp = plan.dp_shard in ("hybrid_shard", "replicate")
-    if hsdp:
-        i = names.index("dp")
-        rep = plan.dp_replicate_degree
-        shape = shape[:i] + (rep, plan.dp // rep) + shape[i + 1:]
-        names = names[:i] + ("dp_replicate", "dp_shard") + names[i + 1:]
-    mesh = init_device_mesh(device or device_type(), shape, mesh_dim_names=names)
-    if hsdp:
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    return mesh
-
-
-def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The sub-mesh FSDP2 shards over: 1D "dp", or 2D (dp_replicate, dp_shard) for HSDP."""
-    names = mesh.mesh_dim_names or ()
-    return mesh["dp_replicate", "dp_shard"] if "dp_replicate" in names else mesh["dp"]
 
 
 # ---- failing fast ---------------------------------------------------------------------------------

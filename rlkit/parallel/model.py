@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from rlkit.checks import choice
 from rlkit.errors import PlanError
 from rlkit.parallel.apply import apply_ac, apply_fsdp, apply_tp
-from rlkit.parallel.dist import build_mesh, device_type, fsdp_mesh
+from rlkit.parallel.groups import ProcessGroups, build_groups, device_type
 from rlkit.parallel.loading import CheckpointReader, can_load_sharded, empty_model, materialize
 from rlkit.parallel.stage import split_stages
 from rlkit.plan.topology import ParallelPlan
@@ -81,6 +81,8 @@ class ParallelModel:
         layer_split: per-stage layer counts for uneven pipelines (default: ``plan.stage_layers``).
         precision: "fp32", or "bf16-mixed": forward and backward under bf16 autocast while weights,
             gradients and AdamW state stay fp32 (TRL's ``bf16=True``; Lightning's "bf16-mixed").
+        groups: the rank's process groups (``rlkit.parallel.groups.build_groups``); models of one rank
+            share them. Default: built here (a collective: every rank constructs the model).
 
     >>> # under torchrun --nproc-per-node 8 (see python -m rlkit.parallel):
     >>> pm = ParallelModel(tiny_lm("qwen2"), ParallelPlan(dp=2, tp=2, pp=2))   # doctest: +SKIP
@@ -93,7 +95,7 @@ class ParallelModel:
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  max_grad_norm: float | None = 1.0, activation_checkpointing: bool = False,
                  layer_split: list[int] | None = None, seed: int = 0, logprob_chunk: int = 1024,
-                 mesh=None, mp_policy=None, precision: str = "fp32"):
+                 groups: ProcessGroups | None = None, mp_policy=None, precision: str = "fp32"):
         choice("precision", precision, tuple(PRECISIONS), error=PlanError)
         # A local checkpoint loads sharded: built on meta, each rank reads only the shards it keeps
         # (loading.py). A module (or a hub id) is loaded whole, then sliced; so is a one-rank plan's
@@ -107,7 +109,9 @@ class ParallelModel:
         # pp > 1 the first and last stages each hold a copy and sum their gradients every step (Megatron).
         self.tied = bool(getattr(hf.config, "tie_word_embeddings", False)) and head == "lm"
         self.device = torch.device(device_type())
-        self.mesh = mesh if mesh is not None else build_mesh(plan)
+        # the rank's groups (rlkit.parallel.groups), shared with the other models of the rank when given
+        self.groups = groups if groups is not None else build_groups(plan, tied_ends=self.tied and plan.pp > 1)
+        self.mesh = self.groups.mesh
         self.rank = dist.get_rank()
         self.coords = plan.coords(self.rank)
         self.pp_rank = self.coords["pp"]
@@ -137,12 +141,17 @@ class ParallelModel:
             if activation_checkpointing:
                 apply_ac(st)
             if plan.dp > 1:
-                apply_fsdp(st, fsdp_mesh(self.mesh), plan.dp_shard, mp_policy)
+                apply_fsdp(st, self.groups.fsdp_mesh, plan.dp_shard, mp_policy)
         if sharded:
             materialize(self.stages, CheckpointReader(model), self.device, self.config, extra=value_init)
         self.has_first = 0 in self.stage_ids
         self.has_last = plan.n_stages - 1 in self.stage_ids
-        self._tied_group = _first_last_stage_group(plan, self.rank) if self.tied and plan.pp > 1 else None
+        self._tied_group = None
+        if self.tied and plan.pp > 1:
+            if self.groups.tied_ends is None:
+                raise PlanError("a tied embedding under pp > 1 needs its pipeline-ends group: build the groups "
+                                "with rlkit.parallel.groups.build_groups(plan, tied_ends=True)")
+            self._tied_group = self.groups.tied_ends
         self.params = [p for st in self.stages for p in st.parameters()]
         # Plain tensors (no TP, no FSDP): the fused kernel (6x the per-tensor loop at 135M on one CPU
         # thread, bench/README). Otherwise foreach=False: params mix DTensors on different meshes (tp,
@@ -544,20 +553,6 @@ class ParallelModel:
         if self.plan.pipeline_schedule == "interleaved-1f1b":  # chunks of layers/v (Megatron warm-up)
             return min(2 * (pp - r - 1) + (v - 1) * pp + 1, m * v) / v
         return min(m, pp - r)
-
-
-def _first_last_stage_group(plan: ParallelPlan, rank: int):
-    """The process group of ``rank``'s pipeline ends (first and last pipeline rank of its pipeline),
-    for the gradient sum of a tied embedding. Every rank creates every such group (new_group is
-    collective), one per (dp, tp) coordinate, in the same order."""
-    mine = None
-    pipelines = sorted({tuple(sorted(plan.group_of(r, "pp"), key=lambda q: plan.coords(q)["pp"]))
-                        for r in range(plan.world_size)})
-    for ranks in pipelines:
-        group = dist.new_group([ranks[0], ranks[-1]])
-        if rank in (ranks[0], ranks[-1]):
-            mine = group
-    return mine
 
 
 def _split(batch: dict[str, Any], m: int):

@@ -12,7 +12,8 @@ Nothing is held twice. With ``k == 1`` a rank's own piece *is* its generation te
 storage, aliased). With ``k > 1`` the piece is copied into its slot, and the training storage is
 released until ``release()`` copies it back after generation. Replicated tensors (norms) are aliased.
 
->>> rs = Resharder(pm, GenerationLayout(pm.plan, tp=2))     # on every rank  # doctest: +SKIP
+>>> gen = build_generation_groups(GenerationLayout(pm.plan, tp=2))   # on every rank  # doctest: +SKIP
+>>> rs = Resharder(pm, gen)                                 # doctest: +SKIP
 >>> shards, stats = rs.reshard()                            # doctest: +SKIP
 >>> stats["bytes"], stats["peak_param_bytes"]               # doctest: +SKIP
 >>> rs.release()                                            # doctest: +SKIP
@@ -26,13 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from rlkit.errors import PlanError
 from rlkit.parallel.apply import DEFAULT_LAYER_PLAN
+from rlkit.parallel.groups import GenerationGroups
 from rlkit.parallel.model import _bytes
-from rlkit.plan.hybrid import GenerationLayout
 
 if TYPE_CHECKING:
     from rlkit.parallel.model import ParallelModel
@@ -68,7 +68,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class Resharder:
-    """Moves ``pm``'s weights into the generation layout ``layout`` and back; create it on every rank.
+    """Moves ``pm``'s weights into the generation layout of ``groups`` (``build_generation_groups``) and
+    back; create it on every rank.
 
     ``reshard()`` returns this rank's generation shard (HF name -> local tensor, TP-sliced for
     ``layout.tp`` ranks; a tied lm_head is the embedding) and ``{"bytes"`` received, ``"seconds"``,
@@ -77,17 +78,14 @@ class Resharder:
     storage back. Between the two, the training parameters must not be read.
     """
 
-    def __init__(self, pm: ParallelModel, layout: GenerationLayout):
+    def __init__(self, pm: ParallelModel, groups: GenerationGroups):
+        layout = groups.layout
         if layout.plan != pm.plan:
             raise PlanError(f"the generation layout was made for {layout.plan.describe()} but the model "
                             f"trains under {pm.plan.describe()}")
         layout.validate(pm.config)
         self.pm, self.layout = pm, layout
-        # one DeviceMesh: generation groups along "gen_tp", micro-DP groups along "micro_dp"
-        self.mesh = DeviceMesh(pm.device.type, torch.tensor(layout.mesh()),
-                               mesh_dim_names=("gen_dp", "micro_dp", "gen_tp"))
-        self.tp_mesh = self.mesh["gen_tp"]
-        self.micro_group = self.mesh["micro_dp"].get_group()
+        self.micro_group = groups.micro_dp
         self.members = layout.micro_dp_group(pm.rank)
         self.gen_tp = layout.coords(pm.rank)["gen_tp"]
         self._freed: list[tuple[torch.Tensor, int, torch.Tensor]] = []

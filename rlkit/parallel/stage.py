@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from rlkit.algos.losses import entropy_from_logprobs
 from rlkit.errors import PlanError
 from rlkit.plan.topology import ParallelPlan
 
@@ -68,7 +69,7 @@ def token_logprobs(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, 
         logp = head(h[:, i:i + chunk]).float().log_softmax(-1)
         lps.append(logp.gather(-1, target[:, i:i + chunk, None]).squeeze(-1))
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            ents.append(-(logp.exp() * logp).sum(-1))
+            ents.append(entropy_from_logprobs(logp))
     zero = torch.zeros(hidden.shape[0], min(first, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
     return torch.cat([zero, *lps], 1), torch.cat([zero, *ents], 1)
 
