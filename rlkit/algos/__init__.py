@@ -13,18 +13,7 @@ TRL. Nothing here knows about models, processes or Ray, so every piece is testab
 torch.Size([4, 3])
 """
 
-from rlkit.algos.advantages import (
-    ADVANTAGES,
-    compute_advantages,
-    drgrpo,
-    gae,
-    get_advantage,
-    grpo,
-    register_advantage,
-    reinforce_pp,
-    reinforce_pp_baseline,
-    rloo,
-)
+from rlkit.algos.advantages import drgrpo, gae, grpo, reinforce_pp, reinforce_pp_baseline, rloo
 from rlkit.algos.kl import (
     KL_KINDS,
     AdaptiveKLController,
@@ -42,10 +31,32 @@ from rlkit.algos.losses import (
     value_loss,
 )
 from rlkit.algos.masked import last_token_rewards, masked_mean, masked_sum, masked_whiten
+from rlkit.algos.registry import (
+    ADVANTAGES,
+    ALGORITHMS,
+    POLICY_LOSSES,
+    Algorithm,
+    Needs,
+    call_policy_loss,
+    compute_advantages,
+    get_advantage,
+    get_algorithm,
+    get_policy_loss,
+    known_algorithms,
+    register_advantage,
+    register_algorithm,
+    register_policy_loss,
+)
+
+# The built-in algorithms, by the names papers and peers use: each an estimator with the PPO clipped loss.
+for _name, _estimator in (("grpo", "grpo"), ("drgrpo", "drgrpo"), ("rloo", "rloo"), ("reinforce++", "reinforce_pp"),
+                          ("reinforce++-baseline", "reinforce_pp_baseline"), ("ppo", "gae")):
+    register_algorithm(_name, advantage=_estimator)
 
 __all__ = [
-    "ADVANTAGES", "AGG_MODES", "KL_KINDS",
-    "register_advantage", "get_advantage", "compute_advantages",
+    "ADVANTAGES", "AGG_MODES", "ALGORITHMS", "KL_KINDS", "POLICY_LOSSES", "Algorithm", "Needs",
+    "register_advantage", "get_advantage", "compute_advantages", "register_policy_loss", "get_policy_loss",
+    "call_policy_loss", "register_algorithm", "get_algorithm", "known_algorithms",
     "gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
     "aggregate", "policy_loss", "value_loss", "entropy_from_logprobs", "entropy_bonus",
     "kl_penalty", "kl_loss", "apply_kl_penalty", "FixedKLController", "AdaptiveKLController",

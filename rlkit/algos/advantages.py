@@ -7,23 +7,18 @@ samples answer the same prompt (n samples per prompt): ints, strings or a tensor
 
 Every estimator takes the rewards as its first argument, returns ``(advantages, returns)`` as
 [batch, response_len] tensors that are 0 on padding, and computes nothing that needs a gradient.
-Estimators live in a registry so a trainer can pick one by name and users can add their own:
+Each is registered by name (``rlkit.algos.registry``), where users add their own:
 
 >>> import torch
->>> @register_advantage("sign")
-... def sign(scores, response_mask):
-...     adv = torch.sign(scores)[:, None] * response_mask
-...     return adv, adv
->>> compute_advantages("sign", torch.tensor([2.0, -1.0]), torch.ones(2, 3))[0]
-tensor([[ 1.,  1.,  1.],
-        [-1., -1., -1.]])
->>> _ = ADVANTAGES.pop("sign")
+>>> from rlkit.algos.registry import compute_advantages
+>>> compute_advantages("grpo", torch.tensor([2.0, 0.0]), torch.ones(2, 3), group_ids=[0, 0])[0]
+tensor([[ 0.7071,  0.7071,  0.7071],
+        [-0.7071, -0.7071, -0.7071]])
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,76 +33,7 @@ from rlkit.algos.masked import (
     masked_whiten,
     sequence_scores,
 )
-
-Advantage = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-ADVANTAGES: dict[str, Advantage] = {}  # name -> estimator; add yours with @register_advantage("name")
-
-
-def register_advantage(*names: str, override: bool = False) -> Callable[[Advantage], Advantage]:
-    """Decorator: make an estimator available under one or more names.
-
-    The function takes the rewards first, ``response_mask`` by name, and any of ``values``,
-    ``group_ids`` and its own keyword options; it returns ``(advantages, returns)``.
-    A name already taken by another function is an error unless ``override=True``; the same function
-    defined again (a re-run notebook cell) replaces the old one. See the module docstring for an example.
-    """
-    if not names or not all(isinstance(n, str) and n for n in names):
-        raise ValueError(f"register_advantage needs one or more non-empty names, got {names!r}")
-
-    def decorate(fn: Advantage) -> Advantage:
-        for name in names:
-            old = ADVANTAGES.get(name)
-            # re-running a notebook cell redefines the same function: replace it quietly
-            same = old is not None and (old.__module__, old.__qualname__) == (fn.__module__, fn.__qualname__)
-            if old is not None and not same and not override:
-                raise ValueError(f"advantage estimator {name!r} is already registered "
-                                 f"({ADVANTAGES[name].__qualname__}); pick another name or pass override=True")
-        for name in names:
-            ADVANTAGES[name] = fn
-        return fn
-
-    return decorate
-
-
-def get_advantage(name: str) -> Advantage:
-    """The estimator registered under ``name``.
-
-    >>> get_advantage("grpo").__name__
-    'grpo'
-    """
-    try:
-        return ADVANTAGES[name]
-    except KeyError:
-        raise ValueError(f"unknown advantage estimator {name!r}; known: {', '.join(sorted(ADVANTAGES))}. "
-                         f"Add your own with @rlkit.algos.register_advantage({name!r})") from None
-
-
-def compute_advantages(name: str, rewards: torch.Tensor, response_mask: torch.Tensor, *,
-                       values: torch.Tensor | None = None, group_ids: Sequence[Any] | torch.Tensor | None = None,
-                       **options: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """Call estimator ``name`` with what it needs from one uniform call (what a trainer uses).
-
-    ``values`` and ``group_ids`` are passed only to estimators that take them; an estimator that needs
-    one that is missing gets a clear error instead of a TypeError deep inside.
-
-    >>> import torch
-    >>> adv, ret = compute_advantages("rloo", torch.tensor([1., 0.]), torch.ones(2, 2), group_ids=[0, 0])
-    >>> adv
-    tensor([[ 1.,  1.],
-            [-1., -1.]])
-    """
-    fn = get_advantage(name)
-    params = inspect.signature(fn).parameters
-    kwargs = dict(options)
-    for key, val in (("values", values), ("group_ids", group_ids)):
-        if key in params:
-            if val is None and params[key].default is inspect.Parameter.empty:
-                hint = "a critic's values" if key == "values" else "which prompt each sample answers"
-                raise ValueError(f"advantage estimator {name!r} needs {key}= ({hint}); "
-                                 f"critic-free choices: grpo, drgrpo, rloo, reinforce_pp")
-            if val is not None:
-                kwargs[key] = val
-    return fn(rewards, response_mask=response_mask, **kwargs)
+from rlkit.algos.registry import register_advantage
 
 
 def _token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from rlkit.algos.masked import as_bool, at_least_fp32, check_shapes, masked_mean
+from rlkit.algos.registry import register_policy_loss
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -54,6 +55,7 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mea
     return masked_mean(seq, tokens > 0)
 
 
+@register_policy_loss("ppo")
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 response_mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
                 dual_clip: float | None = None, agg: str = "token-mean",
