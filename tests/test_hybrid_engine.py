@@ -93,7 +93,14 @@ def _check(rows, plan, nprocs):
         assert abs(r["param_bytes"] - r["param_formula"]) <= TOLERANCE * r["param_formula"], where
         # every rank generated: its group sampled a share of the replica's prompts
         assert r["greedy_prompts_here"] > 0 and r["sampled_prompts_here"] > 0, where
-        if "greedy_same_tokens" in r:  # the replica's collector compares with one engine on the full model
+        # each DP replica's collector (its tp=0 rank on the last stage) compares with one engine on the full
+        # model: there the comparison must be in the row (a missing key fails), elsewhere it is not made
+        collectors = {ParallelPlan(dp=dp, tp=tp, pp=pp, dp_shard=r["dp_shard"]).rank(dp=d, tp=0, pp=pp - 1)
+                      for d in range(dp)}
+        if r["rank"] not in collectors:
+            assert "greedy_same_tokens" not in r and "sampled_same_tokens" not in r, where
+        else:
+            assert "greedy_same_tokens" in r and "sampled_same_tokens" in r, (where, sorted(r))
             assert r["greedy_same_tokens"] and r["sampled_same_tokens"], where
             assert r["greedy_max_dlogprob"] < 1e-5 and r["sampled_max_dlogprob"] < 1e-5, where
     assert seen_tg == {1, 2} and len(rows) == 2 * nprocs * len(plan)
