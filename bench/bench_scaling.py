@@ -12,7 +12,7 @@ generate, update (the actor's optimizer step) and other (reward, advantages, syn
 The sweeps run ``--rounds`` times, interleaved, and each point reports the median over rounds.
 
 Sweeps: (a) batch = prompts_per_step x n (1x4 ... 16x4) at 32 new tokens, (b) response length (8 ... 128)
-at 2x4, both on bench_vs_trl.py's tiny Qwen2 (``TINY``: 2 layers, hidden 128, tied, vocab 512); (c) model
+at 2x4, both on bench_vs_trl.py's tiny Qwen2 (``vs_trl_common.TINY``: 2 layers, hidden 128, tied, vocab 512); (c) model
 size at 2x4x32: that tiny Qwen2, the tiny_lm sizes of rlkit/models/tiny.py, and SmolLM2-135M-Instruct
 (fewer steps). ``--trl`` runs bench/trl_worker.py (TRL 1.16 GRPOTrainer, HF generate, ``.venv-trl``, 1 torch
 thread) on the model-size points in each round: its work is bench_vs_trl.py's 2x4x32, but it stops at eos (its
@@ -33,28 +33,18 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "bench"))
-from bench_vs_trl import TINY  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helper module, by path
+from vs_trl_common import PROMPTS, ROOT, model_folder  # noqa: E402
 
-PROMPTS = ["the quick brown fox", "what is two plus two ?", "count the apples :", "a b c d",
-           "reinforcement learning", "jupyter notebooks make", "one two three", "the lazy dog"] * 8
 PHASES = ("generate", "update", "other")
 COLORS = {"generate": "#4c72b0", "update": "#dd8452", "other": "#a5a5a5", "step": "black"}
-
-
-def tiny_folder() -> str:
-    import rlkit.models
-
-    spec = dict(TINY)
-    return rlkit.models.tiny_lm(spec.pop("arch"), spec.pop("size"), **spec)
 
 
 def model_points(big: bool) -> list[tuple[str, str]]:
     """(label, folder) of the model-size sweep, smallest first."""
     import rlkit.models
 
-    out = [("TINY", tiny_folder())]
+    out = [("TINY", model_folder("tiny"))]
     out += [(s, rlkit.models.tiny_lm("qwen2", size=s)) for s in ("test", "small", "demo", "10m")]
     if big:
         out.append(("135M", rlkit.models.pretrained("smollm2-135m-instruct")))
@@ -222,7 +212,7 @@ def main() -> None:
     t0 = time.perf_counter()
     print(f"load average at the start: {os.getloadavg()[0]:.2f} ({os.cpu_count()} cores), torch "
           f"{torch.__version__}, {torch.get_num_threads()} torch thread", flush=True)
-    tiny = tiny_folder()
+    tiny = model_folder("tiny")
     batches = [(1, 4), (2, 4), (4, 4), (8, 4), (16, 4)]
     lengths = [8, 16, 32, 64, 128]
     models = model_points(big=not (args.no_big or args.quick))

@@ -2,7 +2,7 @@
 # Install TRL 1.16 into its own venv (default .venv-trl, git-ignored) for bench/bench_vs_trl.py.
 #
 #   bash bench/setup_trl.sh            # or: make bench-trl (runs this first)
-#   TRL_VENV=/tmp/trl bash bench/setup_trl.sh
+#   TRL_VENV="$HOME/venvs/trl" bash bench/setup_trl.sh   # another place (then pass --trl-python)
 #
 # Same pip as the Makefile's `setup`: the machine's pip config (local index, wheels on disk, the torch
 # cap) applies; torch is pinned first so pip never resolves an unpinned torch into a multi-GB CUDA

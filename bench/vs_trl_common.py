@@ -1,6 +1,9 @@
-"""The work both sides of bench_vs_trl.py do, and how each run is clocked (imported by both workers).
+"""The bench scripts' shared helper module: the work both sides of bench_vs_trl.py do, how each run is
+clocked (imported by both workers), and the pieces more than one bench script uses (the repo root, issue
+13's tiny Qwen2, resolving a model folder, running one worker process). It imports no bench script.
 
-It imports no torch, TRL or rlkit, so the TRL venv and the rlkit venv both load it by path:
+At import it loads no torch, TRL or rlkit (``model_folder`` imports rlkit when called), so the TRL venv
+and the rlkit venv both load it by path:
 
     >>> import sys; sys.path.insert(0, "bench")                       # doctest: +SKIP
     >>> from vs_trl_common import WORK, share_of                        # doctest: +SKIP
@@ -17,12 +20,20 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-# The same prompts as /work/shared/probes/{trl,rlkit}_grpo.py (short plain text, no chat template).
+ROOT = Path(__file__).resolve().parent.parent  # the repo root: every default path is derived from it
+BENCH = ROOT / "bench"
+# issue 13's tiny Qwen2 (2 layers, hidden 128, tied embeddings, vocab 512): bench_vs_trl's default model
+TINY = dict(arch="qwen2", size="test", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+
+# The prompts of the side-by-side probes (short plain text, no chat template).
 PROMPTS = ["the quick brown fox", "what is two plus two ?", "count the apples :", "a b c d",
            "reinforcement learning", "jupyter notebooks make", "one two three", "the lazy dog"] * 8
 WORK: dict[str, Any] = dict(n=4, prompts_per_step=2, max_new_tokens=32, lr=1e-3, temperature=1.0, kl=0.0,
@@ -128,3 +139,45 @@ def emit(result: dict[str, Any]) -> None:
     """One machine-readable line for the orchestrator (bench_vs_trl.py), with this process's own peak RSS."""
     result["driver_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def model_folder(name: str) -> str:
+    """``tiny`` -> the tiny Qwen2 of issue 13 (``TINY``, built once); a known pretrained name or a folder
+    as is. Imports rlkit (call it from the rlkit venv)."""
+    import rlkit.models
+
+    if name == "tiny":
+        spec = dict(TINY)
+        return rlkit.models.tiny_lm(spec.pop("arch"), spec.pop("size"), **spec)
+    return rlkit.models.pretrained(name)
+
+
+def python_with(python: str, *modules: str) -> bool:
+    """Whether ``python`` exists and imports every one of ``modules``."""
+    if not Path(python).exists():
+        return False
+    code = "import importlib.util, sys; sys.exit(any(importlib.util.find_spec(m) is None for m in sys.argv[1:]))"
+    return subprocess.run([python, "-c", code, *modules], capture_output=True).returncode == 0
+
+
+def run_one(run: dict, model: str, steps: int, log: Path, timeout_s: float, extra: Sequence[str] = ()) -> dict:
+    """Run one worker process (``run["cmd"]`` + model + steps + ``extra``, in the repo root); its RESULT
+    line as a dict (the full output goes to ``log``)."""
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
+    if "--threads" in extra:  # the OpenMP pool is sized at torch's import: set it before, too
+        env["OMP_NUM_THREADS"] = extra[list(extra).index("--threads") + 1]
+    env.pop("VIRTUAL_ENV", None)
+    load = os.getloadavg()[0]  # another session on the same cores shows here (steps/s then drops)
+    t0 = time.perf_counter()
+    proc = subprocess.run([*run["cmd"], model, str(steps), *extra], capture_output=True, text=True, env=env,
+                          timeout=timeout_s, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    log.write_text(f"$ {' '.join(run['cmd'])} {model} {steps} {' '.join(extra)}\n--- stdout\n{proc.stdout}"
+                   f"\n--- stderr\n{proc.stderr}")
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
+        raise RuntimeError(f"{run['label']} failed (exit {proc.returncode}); full log in {log}:\n{tail}")
+    res = json.loads(lines[-1][len("RESULT "):])
+    res["process_wall_s"], res["load_avg_1min_before"] = wall, load
+    return res
