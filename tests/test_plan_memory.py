@@ -19,8 +19,8 @@ from rlkit.plan.memory import (
     compare_memory,
     estimate_memory,
     explain_fit,
-    parse_bytes,
 )
+from rlkit.plan.units import parse_bytes
 
 N7B = 6_738_415_616  # llama-2-7b parameters
 GB = 10**9

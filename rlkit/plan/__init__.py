@@ -2,7 +2,7 @@
 
 from rlkit.plan.comm import BANDWIDTHS, estimate_communication, estimate_resharding
 from rlkit.plan.hybrid import GenerationLayout
-from rlkit.plan.memory import RolloutMemory, compare_memory, estimate_memory, explain_fit, parse_bytes
+from rlkit.plan.memory import RolloutMemory, compare_memory, estimate_memory, explain_fit
 from rlkit.plan.schedule import (
     bubble_fraction,
     idle_fraction,
@@ -15,6 +15,7 @@ from rlkit.plan.search import Recommendation, plot_plans, recommend, search_plan
 from rlkit.plan.spec import ModelSpec, as_spec, bundled_models
 from rlkit.plan.throughput import GPUS, NETWORKS, estimate_generation, estimate_throughput
 from rlkit.plan.topology import SCHEDULES, SHARDING, ParallelPlan
+from rlkit.plan.units import parse_bytes
 
 __all__ = ["ModelSpec", "ParallelPlan", "SCHEDULES", "SHARDING", "as_spec", "bundled_models",
            "pipeline_order", "pipeline_timeline", "bubble_fraction", "idle_fraction", "peak_in_flight",

@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 from rlkit.errors import PlanError
-from rlkit.plan.topology import SCHEDULES, SHARDING, ParallelPlan
+from rlkit.plan.topology import SCHEDULES, SHARDING, ParallelPlan, short_list
 
 GIB = 2**30
 
@@ -102,12 +102,10 @@ def report(plan: ParallelPlan, model: Any = None, *, seq_len: int = 4096, micro_
 
 
 def _groups_lines(plan: ParallelPlan, first: int = 4) -> list[str]:
-    from rlkit.plan.topology import _short_list
-
     lines = []
     for dim in ("tp", "pp", "dp"):
         groups = plan.groups(dim)
-        shown = "  ".join(_short_list(g) for g in groups[:first]) + ("  …" if len(groups) > first else "")
+        shown = "  ".join(short_list(g) for g in groups[:first]) + ("  …" if len(groups) > first else "")
         lines.append(f"  {dim.upper()}: {len(groups)} groups of {plan.size(dim)}: {shown}")
     return lines
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from rlkit.errors import PlanError
-from rlkit.plan.memory import (
-    PRECISIONS,
-    _check_common,
-    _dtype_bytes,
-    _layer_tensors,
-    _pos_int,
-    _root_tensors,
-    _shard,
-    recompute_mode,
+from rlkit.plan.sharding import (
+    chunk_len,
+    chunk_overlap,
+    layer_tensors,
+    owned_tensors,
+    rank_shard,
+    root_tensors,
+    split_dims,
 )
+from rlkit.plan.units import PRECISIONS, check_common, dtype_bytes, positive_int, recompute_mode
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -140,13 +140,13 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
     >>> df[df.dim == "reshard"].collective.tolist()
     ['broadcast (micro-dp)']
     """
-    spec, s, b = _check_common(plan, model, seq_len, micro_batch, precision)
+    spec, s, b = check_common(plan, model, seq_len, micro_batch, precision)
     full_recompute = recompute_mode(recompute, activation_checkpointing) == "full"
     if tp_layout not in ("fused", "per-module"):
         raise PlanError(f"tp_layout={tp_layout!r} must be 'fused' (Megatron / torchtitan: 2 backward all-reduces "
                         f"per layer) or 'per-module' (rlkit.parallel's ColwiseParallel on q, k, v, gate, up: 5)")
     if global_batch is not None:
-        _pos_int("global_batch", global_batch)
+        positive_int("global_batch", global_batch)
         if global_batch % (plan.dp * b):
             raise PlanError(f"global_batch={global_batch} is not divisible by dp*micro_batch={plan.dp}*{b}; "
                             f"use a multiple of {plan.dp * b}")
@@ -157,7 +157,7 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
     else:
         m = plan.n_micro_batches
     per = devices_per_node or plan.devices_per_node or plan.world_size
-    _pos_int("devices_per_node", per)
+    positive_int("devices_per_node", per)
     bw = {"intra": bandwidth(intra_node_bw, "intra_node_bw"), "inter": bandwidth(inter_node_bw, "inter_node_bw")}
     if stage is not None and (isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < plan.pp):
         raise PlanError(f"stage={stage!r} must be a pipeline rank in 0..{plan.pp - 1}")
@@ -167,7 +167,7 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
     tp, pp, S = plan.tp, plan.pp, plan.dp_shard_degree
     R = plan.dp // S
     act = b * s * spec.hidden_size * cb
-    layer_t = _layer_tensors(spec)
+    layer_t = layer_tensors(spec)
     layers_per_rank = [0] * pp
     for st, rng in enumerate(plan.stage_layers(spec.num_layers)):
         layers_per_rank[st % pp] += len(rng)
@@ -181,8 +181,8 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
         out: list[tuple[str, str, int, int, int]] = []  # dim, collective, group, calls, total message bytes
         # -- DP
         if plan.dp > 1:
-            lay = _shard(layer_t, 1, tp, 0, S, 0)
-            root = _shard(_root_tensors(spec, pp, tp, p, "actor", vocab_parallel), 1, tp, 0, S, 0)
+            lay = rank_shard(layer_t, 1, tp, 0, S, 0)
+            root = rank_shard(root_tensors(spec, pp, tp, p, "actor", vocab_parallel), 1, tp, 0, S, 0)
             unit_full = {"layer": lay.padded * S, "root": root.padded * S}
             units = {"layer": L, "root": 1 if root.tensors else 0}
             syncs = 1  # grads reduced after the last micro-batch only
@@ -309,8 +309,6 @@ def _broadcasts(owned: list, plan: ParallelPlan, tg: int, p: int, t: int) -> tup
     owner-stage member (training tp ``g*k``), and every other member receives it, other owner-stage
     members too; a sharded one is broadcast as the ``k`` training pieces of generation chunk ``g``,
     and a rank receives all but its own."""
-    from rlkit.plan.memory import _chunk, _overlap, _split
-
     k = plan.tp // tg
     g, d = t // k, plan.tp * plan.pp // tg
     received = calls = sent = gen = 0
@@ -321,9 +319,9 @@ def _broadcasts(owned: list, plan: ParallelPlan, tg: int, p: int, t: int) -> tup
                     chunk, pieces = d0 * d1, 1
                     mine = chunk if (o == p and t % k == 0) else 0  # only the source already has it
                 else:
-                    n, other = _split(d0, d1, td)
-                    chunk, pieces = _chunk(n, tg, g) * other, k
-                    mine = _overlap(n, plan.tp, t, tg, g) * other if o == p else 0
+                    n, other = split_dims(d0, d1, td)
+                    chunk, pieces = chunk_len(n, tg, g) * other, k
+                    mine = chunk_overlap(n, plan.tp, t, tg, g) * other if o == p else 0
                 gen += chunk * count
                 if d > 1:
                     received += (chunk - mine) * count
@@ -334,17 +332,13 @@ def _broadcasts(owned: list, plan: ParallelPlan, tg: int, p: int, t: int) -> tup
 
 def _stage_tensors(spec: Any, plan: ParallelPlan, p: int) -> tuple[list, tuple]:
     """(layer tensors, root tensors) that pipeline rank ``p`` trains, its tied lm_head copy included."""
-    from rlkit.plan.memory import _layer_tensors, _root_tensors
-
-    return _layer_tensors(spec), tuple(_root_tensors(spec, plan.pp, plan.tp, p, "actor", True))
+    return layer_tensors(spec), tuple(root_tensors(spec, plan.pp, plan.tp, p, "actor", True))
 
 
 def _reshard_ranks(spec: Any, plan: ParallelPlan, layout: Any, nbytes: int) -> Any:
     """A function ``(p, t, j) -> dict`` of one rank's resharding bytes (memoised): pipeline rank ``p``,
     tp index ``t``, FSDP shard index ``j``."""
-    from rlkit.plan.memory import _owned_tensors
-
-    owned = _owned_tensors(spec, plan)
+    owned = owned_tensors(spec, plan)
     S = plan.dp_shard_degree if plan.dp > 1 else 1
     tied_copy = spec.tie_word_embeddings and plan.pp > 1
     layers = [count for (_t, count), _root in owned]
@@ -358,9 +352,9 @@ def _reshard_ranks(spec: Any, plan: ParallelPlan, layout: Any, nbytes: int) -> A
             bcast[(p, t)] = _broadcasts(owned, plan, layout.tp, p, t)
         received, calls, sent, gen = bcast[(p, t)]
         layer_t, root_t = _stage_tensors(spec, plan, p)
-        lay, root = _shard(layer_t, layers[p], plan.tp, t, S, j), _shard(root_t, 1, plan.tp, t, S, j)
+        lay, root = rank_shard(layer_t, layers[p], plan.tp, t, S, j), rank_shard(root_t, 1, plan.tp, t, S, j)
         head = tuple(x for x in root_t if x[0] == "lm_head") if tied_copy else ()
-        copy = _shard(head, 1, plan.tp, t, S, j)  # a tied embedding's last-stage copy (else nothing)
+        copy = rank_shard(head, 1, plan.tp, t, S, j)  # a tied embedding's last-stage copy (else nothing)
         gather, gathers, held = 0, 0, 0
         if S > 1:
             # step 1: each parameter's TP-local piece is all-gathered inside the DP group (the tied copy
@@ -421,9 +415,9 @@ def estimate_resharding(plan: ParallelPlan, model: Any, rollout_tp: int, *, dtyp
     spec = as_spec(model)
     plan.validate(model=spec)
     layout = _reshard_layout(plan, spec, rollout_tp)
-    nbytes = _dtype_bytes(dtype, "dtype")
+    nbytes = dtype_bytes(dtype, "dtype")
     per = devices_per_node or plan.devices_per_node or plan.world_size
-    _pos_int("devices_per_node", per)
+    positive_int("devices_per_node", per)
     bw = {"intra": bandwidth(intra_node_bw, "intra_node_bw"), "inter": bandwidth(inter_node_bw, "inter_node_bw")}
     S = plan.dp_shard_degree if plan.dp > 1 else 1
     link = "inter" if _spans_nodes(layout.micro_dp_groups(), per) else "intra"

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rlkit.errors import PlanError
-from rlkit.plan.topology import ParallelPlan, _divisors
+from rlkit.plan.topology import ParallelPlan, divisors
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -43,7 +43,7 @@ def valid_generation_tp(plan: ParallelPlan, model: Any = None) -> list[int]:
     ...                                                 "num_hidden_layers": 4, "hidden_size": 96})
     [1, 2]
     """
-    ok = _divisors(plan.tp)
+    ok = divisors(plan.tp)
     if model is not None:
         from rlkit.plan.spec import as_spec
 
@@ -70,7 +70,7 @@ class GenerationLayout:
 
     def __post_init__(self) -> None:
         t, p, tg = self.plan.tp, self.plan.pp, self.tp
-        choose = "{" + ", ".join(map(str, _divisors(t))) + "}"
+        choose = "{" + ", ".join(map(str, divisors(t))) + "}"
         if isinstance(tg, bool) or not isinstance(tg, int) or tg < 1:
             raise PlanError(f"Rollout(tp={tg!r}) must be a positive integer; choose tp in {choose}")
         if tg > t * p:

@@ -5,19 +5,34 @@ so a 512-rank plan takes milliseconds.
 
 Every count below is in bytes. Parameter tensors are enumerated one by one (q/k/v/o, gate/up/down,
 biases, norms, embedding, lm_head) with the shape each rank holds after tensor parallelism and FSDP
-sharding, so the persistent counts (``weights``, ``grads``, ``optimizer``) are exact, padding
-included, for the torch layout described in :func:`estimate_memory`.
+sharding (``rlkit.plan.sharding``), so the persistent counts (``weights``, ``grads``, ``optimizer``)
+are exact, padding included, for the torch layout described in :func:`estimate_memory`.
 """
 
 from __future__ import annotations
 
-import math
-import re
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from rlkit.errors import PlanError
+from rlkit.plan.sharding import (
+    chunk_len,
+    layer_tensors,
+    rank_shard,
+    reused_by_generation,
+    root_tensors,
+    uneven_splits,
+)
+from rlkit.plan.topology import ranges_str
+from rlkit.plan.units import (
+    OPTIMIZERS,
+    PRECISIONS,
+    check_common,
+    dtype_bytes,
+    parse_bytes,
+    positive_int,
+    recompute_mode,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -25,107 +40,12 @@ if TYPE_CHECKING:
     from rlkit.plan.spec import ModelSpec
     from rlkit.plan.topology import ParallelPlan
 
-# bytes per element of: parameters as stored (the optimizer's copy), gradients, optimizer state,
-# and the compute copy / activations
-PRECISIONS: dict[str, dict[str, int]] = {
-    "fp32": dict(param=4, grad=4, state=4, compute=4),
-    "bf16-mixed": dict(param=4, grad=4, state=4, compute=2),
-    "bf16": dict(param=2, grad=2, state=2, compute=2),
-}
-# optimizer state tensors per parameter tensor, each the parameter's shard size
-OPTIMIZERS: dict[str, int] = {"adamw": 2, "adam": 2, "sgd": 0}
 ROLES = ("actor", "reference", "critic")
-DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2,
-               "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 COMPONENTS = ("weights", "grads", "optimizer", "param_buffers", "activations", "logits", "kv_cache",
               "rollout_weights")
-RECOMPUTE = ("none", "selective", "full")
 _PERSISTENT = ("weights", "grads", "optimizer")
 _TRANSIENT = ("param_buffers", "activations", "logits")
 _ROLLOUT = ("rollout_weights", "kv_cache")
-
-
-# ---- small helpers --------------------------------------------------------------------------------
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: Any) -> int:
-    """Bytes from an int/float or a string: ``"80GB"`` = 80e9, ``"80GiB"`` = 80 * 2**30, ``"512 MiB"``.
-
-    >>> parse_bytes("80GB"), parse_bytes("1.5 GiB"), parse_bytes(1024)
-    (80000000000, 1610612736, 1024)
-    """
-    if isinstance(value, bool):
-        raise PlanError(f"device_memory={value!r} is not a size; pass bytes or a string like '80GB' or '80GiB'")
-    if isinstance(value, (int, float)):
-        if not math.isfinite(value) or value <= 0:
-            raise PlanError(f"memory size {value!r} must be a positive number of bytes")
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise PlanError(f"cannot read a memory size from {value!r}; use bytes or a string like '80GB' "
-                        f"(10**9) or '80GiB' (2**30); units: {', '.join(u for u in _UNITS if u)}")
-    n = float(m.group(1)) * _UNITS[unit]
-    if n <= 0:
-        raise PlanError(f"memory size {value!r} must be positive")
-    return int(round(n))
-
-
-def _pos_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PlanError(f"{name}={value!r} must be a positive integer")
-    return value
-
-
-def _check_common(plan: Any, model: Any, seq_len: Any, micro_batch: Any, precision: str):
-    """The inputs every cost model shares, checked once: ``(spec, seq_len, micro_batch)``."""
-    from rlkit.plan.spec import as_spec
-    from rlkit.plan.topology import ParallelPlan
-
-    if not isinstance(plan, ParallelPlan):
-        raise PlanError(f"plan={plan!r} must be a ParallelPlan")
-    spec = as_spec(model)
-    plan.validate(model=spec)
-    s = _pos_int("seq_len", seq_len)
-    b = _pos_int("micro_batch", micro_batch)
-    if precision not in PRECISIONS:
-        raise PlanError(f"precision={precision!r} is unknown; choose one of {list(PRECISIONS)}")
-    return spec, s, b
-
-
-def _chunk(n: int, parts: int, index: int) -> int:
-    """Length of piece ``index`` when ``n`` is split like ``torch.chunk``: pieces of ceil(n/parts),
-    the last ones shorter or empty (DTensor's uneven Shard and FSDP2's ``_chunk_with_empty``)."""
-    c = -(-n // parts)
-    return max(0, min(c, n - index * c))
-
-
-def recompute_mode(recompute: str | None = None, activation_checkpointing: bool | None = None) -> str:
-    """The activation-recompute mode, one of ``RECOMPUTE``: ``recompute`` as given, or the older
-    ``activation_checkpointing=True`` (an alias for "full"); "none" when neither is set.
-
-    >>> recompute_mode(), recompute_mode("selective"), recompute_mode(activation_checkpointing=True)
-    ('none', 'selective', 'full')
-    """
-    if activation_checkpointing is not None and not isinstance(activation_checkpointing, bool):
-        raise PlanError(f"activation_checkpointing={activation_checkpointing!r} must be True or False "
-                        f"(or use recompute='none' | 'selective' | 'full')")
-    if recompute is None:
-        return "full" if activation_checkpointing else "none"
-    if recompute not in RECOMPUTE:
-        raise PlanError(f"recompute={recompute!r} is not a recompute mode; choose one of {list(RECOMPUTE)}")
-    if activation_checkpointing is not None and activation_checkpointing != (recompute == "full"):
-        raise PlanError(f"activation_checkpointing={activation_checkpointing} contradicts recompute={recompute!r}; "
-                        f"pass only recompute=")
-    return recompute
-
-
-def _dtype_bytes(name: str, what: str) -> int:
-    if str(name).lower() not in DTYPE_BYTES:
-        raise PlanError(f"{what}={name!r} is not a dtype; choose one of {sorted(DTYPE_BYTES)}")
-    return DTYPE_BYTES[str(name).lower()]
 
 
 @dataclass(frozen=True)
@@ -165,15 +85,15 @@ class RolloutMemory:
     hybrid_engine: bool = False
 
     def __post_init__(self) -> None:
-        _pos_int("rollout tp", self.tp)
-        _dtype_bytes(self.dtype, "rollout dtype")
+        positive_int("rollout tp", self.tp)
+        dtype_bytes(self.dtype, "rollout dtype")
         if self.kv_dtype is not None:
-            _dtype_bytes(self.kv_dtype, "rollout kv_dtype")
+            dtype_bytes(self.kv_dtype, "rollout kv_dtype")
         u = self.gpu_memory_utilization
         if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1):
             raise PlanError(f"rollout gpu_memory_utilization={u!r} must be a fraction in (0, 1]")
         if self.max_tokens is not None:
-            _pos_int("rollout max_tokens", self.max_tokens)
+            positive_int("rollout max_tokens", self.max_tokens)
         if not isinstance(self.hybrid_engine, bool):
             raise PlanError(f"rollout hybrid_engine={self.hybrid_engine!r} must be True or False")
         if (u is None) == (self.max_tokens is None):
@@ -182,6 +102,11 @@ class RolloutMemory:
 
     @classmethod
     def coerce(cls, value: Any) -> RolloutMemory | None:
+        """``value`` as a RolloutMemory: None and RolloutMemory as they are, a dict as its fields.
+
+        >>> RolloutMemory.coerce({"tp": 2, "max_tokens": 4096}).tp
+        2
+        """
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, dict):
@@ -191,133 +116,6 @@ class RolloutMemory:
                 raise PlanError(f"rollout={value!r}: {e}; fields are tp, dtype, kv_dtype, max_tokens, "
                                 f"gpu_memory_utilization, sleep, hybrid_engine") from None
         raise PlanError(f"rollout={value!r} must be None, a dict or a RolloutMemory")
-
-
-# ---- the parameter tensors of each part, with their TP split ------------------------------------
-# (name, dim0, dim1, tp_dim): tp_dim 0 = ColwiseParallel (Shard(0)), 1 = RowwiseParallel (Shard(1)),
-# None = replicated over TP. 1-D tensors have dim1 = 1.
-def _layer_tensors(spec: ModelSpec) -> list[tuple[str, int, int, int | None]]:
-    h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
-    out = [("q_proj", q, h, 0), ("k_proj", kv, h, 0), ("v_proj", kv, h, 0), ("o_proj", h, q, 1),
-           ("gate_proj", i, h, 0), ("up_proj", i, h, 0), ("down_proj", h, i, 1),
-           ("input_layernorm", h, 1, None), ("post_attention_layernorm", h, 1, None)]
-    if spec.qkv_bias:
-        out += [("q_proj.bias", q, 1, 0), ("k_proj.bias", kv, 1, 0), ("v_proj.bias", kv, 1, 0)]
-    if spec.o_bias:
-        out.append(("o_proj.bias", h, 1, None))  # row-parallel bias: replicated, added after the reduce
-    if spec.mlp_bias:
-        out += [("gate_proj.bias", i, 1, 0), ("up_proj.bias", i, 1, 0), ("down_proj.bias", h, 1, None)]
-    return out
-
-
-def _root_tensors(spec: ModelSpec, pp: int, tp: int, pp_rank: int, role: str,
-                  vocab_parallel: bool) -> list[tuple[str, int, int, int | None]]:
-    """Parameters outside the decoder layers held by pipeline rank ``pp_rank`` of ``pp``: embedding
-    on the first stage; final norm and lm_head (or the critic's value head) on the last."""
-    vdim = 0 if vocab_parallel else None
-    h, v = spec.hidden_size, spec.vocab_size
-    out = []
-    if pp_rank == 0:
-        out.append(("embed_tokens", v, h, vdim))  # RowwiseParallel on an embedding shards the vocab
-    if pp_rank == pp - 1:
-        out.append(("norm", h, 1, None))
-        if role == "critic":
-            out += [("value_head", 1, h, None), ("value_head.bias", 1, 1, None)]
-        elif not spec.tie_word_embeddings or pp > 1:
-            # untied lm_head, or the last stage's own copy of a tied embedding (spec.stage_params);
-            # with pp == 1 a tied model holds one matrix, also under TP (apply_tp re-ties the shards)
-            out.append(("lm_head", v, h, vdim))
-    return out
-
-
-def _owned_tensors(spec: ModelSpec, plan: ParallelPlan) -> list[list[tuple[tuple, int]]]:
-    """Per pipeline rank: ``(tensors, count)`` of the parameters it owns *once* in HF's naming, as
-    ``ParallelModel._param_meta`` lists them for resharding: its decoder layers and its root tensors,
-    but not a tied embedding's last-stage copy (pp > 1), which is training-only: the generation
-    layout's lm_head is the embedding."""
-    pp = plan.pp
-    layers = [0] * pp
-    for st, rng in enumerate(plan.stage_layers(spec.num_layers)):
-        layers[st % pp] += len(rng)
-    layer_t = tuple(_layer_tensors(spec))
-    out = []
-    for p in range(pp):
-        root = tuple(x for x in _root_tensors(spec, pp, plan.tp, p, "actor", True)
-                     if not (spec.tie_word_embeddings and x[0] == "lm_head"))
-        out.append([(layer_t, layers[p]), (root, 1)])
-    return out
-
-
-def _overlap(n: int, a: int, i: int, b: int, j: int) -> int:
-    """Length of the intersection of ``torch.chunk`` piece ``i`` of ``a`` and piece ``j`` of ``b`` of
-    a dim of length ``n`` (a training TP chunk inside a generation TP chunk)."""
-    ca, cb = -(-n // a), -(-n // b)
-    lo, hi = max(i * ca, j * cb), min(min((i + 1) * ca, n), min((j + 1) * cb, n))
-    return max(0, hi - lo)
-
-
-def _split(d0: int, d1: int, tp_dim: int | None) -> tuple[int, int]:
-    """(length of the TP-split dim, product of the other dims) of a tensor."""
-    return (d0, d1) if tp_dim == 0 else (d1, d0)
-
-
-def _reused_by_generation(spec: ModelSpec, plan: ParallelPlan, rollout_tp: int, pp_rank: int,
-                          tp_rank: int) -> int:
-    """Elements of a rank's training shard that lie inside its generation shard (3D-HybridEngine):
-    all of its stage's TP-local parameters but a tied embedding's last-stage copy (of an unevenly split
-    dim, the overlap of the two ``torch.chunk`` pieces). Without FSDP the Resharder keeps them in place
-    (aliased, or copied into their slot and the training storage released), so generating adds only
-    the rest of the generation shard."""
-    k = plan.tp // rollout_tp
-    g = tp_rank // k
-    n_el = 0
-    for tensors, count in _owned_tensors(spec, plan)[pp_rank]:
-        for _name, d0, d1, td in tensors:
-            if td is None:
-                n_el += d0 * d1 * count
-            else:
-                n, other = _split(d0, d1, td)
-                n_el += _overlap(n, plan.tp, tp_rank, rollout_tp, g) * other * count
-    return n_el
-
-
-@dataclass
-class _Shard:
-    """Elements one rank holds for a list of tensors."""
-
-    padded: int = 0     # FSDP2 storage: ceil(dim0/S) rows per tensor (params, grads)
-    actual: int = 0     # this rank's real rows (optimizer states: zeros_like of the unpadded view)
-    local: int = 0      # the TP-local tensor before FSDP (unsharded compute copy)
-    tensors: int = 0
-
-
-def _shard(tensors, count: int, tp: int, t: int, S: int, j: int) -> _Shard:
-    one = _shard_one(tuple(tensors), tp, t, S, j)
-    return _Shard(one.padded * count, one.actual * count, one.local * count, one.tensors * count)
-
-
-@lru_cache(maxsize=8192)
-def _shard_one(tensors: tuple, tp: int, t: int, S: int, j: int) -> _Shard:
-    """One copy of each tensor (counts scale linearly): memoised, since a plan search asks for the
-    same layer shapes under the same (tp, shard) split thousands of times."""
-    out = _Shard()
-    for _name, d0, d1, tp_dim in tensors:
-        l0 = _chunk(d0, tp, t) if tp_dim == 0 else d0
-        l1 = _chunk(d1, tp, t) if tp_dim == 1 else d1
-        c = -(-l0 // S)
-        out.padded += c * l1
-        out.actual += _chunk(l0, S, j) * l1
-        out.local += l0 * l1
-        out.tensors += 1
-    return out
-
-
-def _uneven(tensors, tp: int, S: int) -> tuple[bool, bool]:
-    """(TP split uneven anywhere, FSDP split uneven anywhere): ranks differ only when True."""
-    tp_uneven = any((d0 if td == 0 else d1) % tp for _, d0, d1, td in tensors if td is not None)
-    fs_uneven = any(_chunk(d0, tp, t) % S if td == 0 else d0 % S
-                    for _, d0, d1, td in tensors for t in range(tp if td == 0 else 1))
-    return tp_uneven, fs_uneven
 
 
 # ---- activations --------------------------------------------------------------------------------
@@ -471,9 +269,9 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     parameter tensor, ``param_tensors`` of them) are *not* in ``optimizer``. Compare with
     :func:`compare_memory`.
     """
-    spec, s, b = _check_common(plan, model, seq_len, micro_batch, precision)
+    spec, s, b = check_common(plan, model, seq_len, micro_batch, precision)
     recompute = recompute_mode(recompute, activation_checkpointing)
-    _pos_int("logits_copies", logits_copies)
+    positive_int("logits_copies", logits_copies)
     if optimizer not in OPTIMIZERS:
         raise PlanError(f"optimizer={optimizer!r} is unknown; choose one of {list(OPTIMIZERS)}")
     roles = (roles,) if isinstance(roles, str) else tuple(roles)
@@ -504,7 +302,7 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     prec = PRECISIONS[precision]
     n_states = OPTIMIZERS[optimizer]
     tp, pp, S = plan.tp, plan.pp, plan.dp_shard_degree
-    layer_t = _layer_tensors(spec)
+    layer_t = layer_tensors(spec)
     layers_per_rank = [0] * pp
     for st, rng in enumerate(plan.stage_layers(spec.num_layers)):
         layers_per_rank[st % pp] += len(rng)
@@ -513,11 +311,11 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     ckpt_layer = 2 * s * b * spec.hidden_size * prec["compute"] // 2 // (tp if sequence_parallel else 1)
 
     def role_bytes(role: str, p: int, t: int, j: int) -> dict[str, int]:
-        root_t = _root_tensors(spec, pp, tp, p, role, vocab_parallel)
+        root_t = root_tensors(spec, pp, tp, p, role, vocab_parallel)
         L = layers_per_rank[p]
-        lay = _shard(layer_t, L, tp, t, S, j)
-        root = _shard(root_t, 1, tp, t, S, j)
-        one_layer = _shard(layer_t, 1, tp, t, S, j)
+        lay = rank_shard(layer_t, L, tp, t, S, j)
+        root = rank_shard(root_t, 1, tp, t, S, j)
+        one_layer = rank_shard(layer_t, 1, tp, t, S, j)
         padded, actual, local = lay.padded + root.padded, lay.actual + root.actual, lay.local + root.local
         out = dict(weights=0, grads=0, optimizer=0, param_buffers=0, activations=0, logits=0, tensors=0)
         cb = prec["compute"]
@@ -551,7 +349,7 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
                 out["activations"] = chunks * L * per_layer_act // plan.vpp
         if role != "critic" and p == pp - 1:
             split = vocab_parallel and not gathered_logits
-            vocab_local = _chunk(spec.vocab_size, tp, t) if split else spec.vocab_size
+            vocab_local = chunk_len(spec.vocab_size, tp, t) if split else spec.vocab_size
             held = plan.n_micro_batches if (pp > 1 and plan.pipeline_schedule == "gpipe" and role == "actor") else 1
             out["logits"] = b * s * vocab_local * 4 * logits_copies * held
         return out
@@ -559,14 +357,14 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     def rollout_bytes(p: int, t: int, rt: int) -> dict[str, int]:
         if ro is None:
             return dict(rollout_weights=0, kv_cache=0)
-        wt = _shard(layer_t, spec.num_layers, ro.tp, rt, 1, 0).local
-        wt += _shard(_root_tensors(spec, 1, 1, 0, "actor", True), 1, ro.tp, rt, 1, 0).local
-        wb = _dtype_bytes(ro.dtype, "rollout dtype")
+        wt = rank_shard(layer_t, spec.num_layers, ro.tp, rt, 1, 0).local
+        wt += rank_shard(root_tensors(spec, 1, 1, 0, "actor", True), 1, ro.tp, rt, 1, 0).local
+        wb = dtype_bytes(ro.dtype, "rollout dtype")
         weights = engine = wt * wb
         if ro.hybrid_engine and S == 1 and wb == prec["param"] and "actor" in roles:
             # the actor's training shard sits inside the generation shard: only the rest is new
-            weights -= _reused_by_generation(spec, plan, ro.tp, p, t) * wb
-        kvb = _dtype_bytes(ro.kv_dtype or ro.dtype, "rollout kv_dtype")
+            weights -= reused_by_generation(spec, plan, ro.tp, p, t) * wb
+        kvb = dtype_bytes(ro.kv_dtype or ro.dtype, "rollout kv_dtype")
         kvh = spec.num_key_value_heads
         per_tok = (spec.kv_bytes_per_token(kvb, ro.tp) if kvh % ro.tp == 0
                    else 2 * spec.num_layers * -(-kvh // ro.tp) * spec.head_dim * kvb)
@@ -579,9 +377,9 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     # ranks differ only by pp rank, by tp index where a TP split is uneven, by shard index where an
     # FSDP split is uneven, and by rollout-tp index where the rollout split is uneven
     all_t = layer_t + [x for p in {0, pp - 1} for r in roles
-                       for x in _root_tensors(spec, pp, tp, p, r, vocab_parallel)]
-    tp_uneven, fs_uneven = _uneven(all_t, tp, S)
-    ro_uneven = ro is not None and _uneven(all_t, ro.tp, 1)[0]
+                       for x in root_tensors(spec, pp, tp, p, r, vocab_parallel)]
+    tp_uneven, fs_uneven = uneven_splits(all_t, tp, S)
+    ro_uneven = ro is not None and uneven_splits(all_t, ro.tp, 1)[0]
 
     cache: dict[tuple, dict[str, int]] = {}
 
@@ -687,9 +485,12 @@ _ADVICE = {
 def collapse_ranks(df: pd.DataFrame) -> pd.DataFrame:
     """Group ranks whose memory columns are identical: one row per distinct rank kind with ``ranks``
     (e.g. '0-7,16-23') and ``count``. A 512-rank plan usually has only ~pp distinct kinds.
-    """
-    from rlkit.plan.topology import _ranges_str
 
+    >>> from rlkit.plan import ParallelPlan
+    >>> kinds = collapse_ranks(estimate_memory(ParallelPlan(dp=2, pp=2), "qwen2.5-0.5b"))
+    >>> kinds[["ranks", "count"]].values.tolist()
+    [['0-1', 2], ['2-3', 2]]
+    """
     cols = [c for c in COMPONENTS if c in df.columns] + ["total"]
     ranks = df["rank"] if "rank" in df.columns else df.index.to_series()
     keyed = df[cols].copy()
@@ -698,7 +499,7 @@ def collapse_ranks(df: pd.DataFrame) -> pd.DataFrame:
         keyed["fits"] = df["fits"].to_numpy()
     by = cols + (["fits"] if "fits" in df.columns else [])
     out = (keyed.groupby(by, sort=False, dropna=False)["_rank"]
-           .agg(lambda s: _ranges_str(sorted(int(x) for x in s))).rename("ranks").reset_index())
+           .agg(lambda s: ranges_str(sorted(int(x) for x in s))).rename("ranks").reset_index())
     out["count"] = keyed.groupby(by, sort=False, dropna=False)["_rank"].size().to_numpy()
     out.attrs.update(df.attrs)
     return out
@@ -706,7 +507,12 @@ def collapse_ranks(df: pd.DataFrame) -> pd.DataFrame:
 
 def explain_fit(df: pd.DataFrame) -> str:
     """One paragraph: which rank is largest, whether it fits ``df.attrs['device_memory']``, and
-    which component dominates (with a hint what to change) when it does not."""
+    which component dominates (with a hint what to change) when it does not.
+
+    >>> from rlkit.plan import ParallelPlan
+    >>> explain_fit(estimate_memory(ParallelPlan(dp=2), "llama-2-13b", device_memory="80GiB"))[:43]
+    '2 of 2 ranks do not fit in 80.00 GiB. The l'
+    """
     if df.empty:
         return "no ranks"
     top = df.loc[df["total"].idxmax()]
@@ -734,6 +540,11 @@ def compare_memory(estimate_df: pd.DataFrame, measured_df: pd.DataFrame) -> pd.D
     ``optimizer``, ``activations``, ``total``...). For the persistent columns, measure unique
     storages (``untyped_storage().nbytes()`` deduplicated by ``data_ptr``) of the local tensors of
     parameters, their ``.grad`` and the optimizer's ``exp_avg``/``exp_avg_sq`` (skip ``step``).
+
+    >>> import pandas as pd
+    >>> est = pd.DataFrame({"rank": [0], "weights": [100], "total": [150]})
+    >>> compare_memory(est, pd.DataFrame({"rank": [0], "weights": [80]}))["weights_rel_err"].tolist()
+    [0.25]
     """
     import numpy as np
     import pandas as pd

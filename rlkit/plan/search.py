@@ -66,7 +66,7 @@ def _variants(recompute: Any, activation_checkpointing: bool | None, sequence_pa
               tp: int) -> list[tuple[str, bool]]:
     """(recompute, sequence_parallel) settings to try for a layout, fastest first: recompute only
     adds FLOPs, and SP costs the same TP bytes as plain TP while holding less (so SP comes first)."""
-    from rlkit.plan.memory import RECOMPUTE, recompute_mode
+    from rlkit.plan.units import RECOMPUTE, recompute_mode
 
     if recompute is None and activation_checkpointing is None:
         modes = list(RECOMPUTE)
@@ -123,10 +123,11 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
     """
     import pandas as pd
 
-    from rlkit.plan.memory import parse_bytes, peak_memory
+    from rlkit.plan.memory import peak_memory
     from rlkit.plan.spec import as_spec
     from rlkit.plan.throughput import estimate_throughput, gpu_info, network_info
     from rlkit.plan.topology import SHARDING, ParallelPlan
+    from rlkit.plan.units import parse_bytes
 
     spec = as_spec(model)
     for name, value in (("gpus", gpus), ("gpus_per_node", gpus_per_node), ("micro_batch", micro_batch)):
@@ -309,7 +310,7 @@ def _fmt_rate(x: float) -> str:
 
 def _state_bytes_per_param(precision: str, optimizer: str) -> int:
     """Persistent bytes per parameter: weights + grads + optimizer states (ZeRO paper, sec. 3.1)."""
-    from rlkit.plan.memory import OPTIMIZERS, PRECISIONS
+    from rlkit.plan.units import OPTIMIZERS, PRECISIONS
 
     p = PRECISIONS[precision]
     return p["param"] + p["grad"] + OPTIMIZERS[optimizer] * p["state"]
@@ -357,9 +358,9 @@ def recommend(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any = "
     >>> rec.plan.tp > 1 and rec.plan.tp <= 8
     True
     """
-    from rlkit.plan.memory import parse_bytes
     from rlkit.plan.spec import as_spec
     from rlkit.plan.throughput import network_info
+    from rlkit.plan.units import parse_bytes
 
     if goal not in GOALS:
         raise PlanError(f"goal={goal!r} is not a goal; choose one of {list(GOALS)}")

@@ -173,8 +173,8 @@ def estimate_throughput(plan: Any, model: Any, *, seq_len: int = 4096, global_ba
     >>> round(r["bubble"], 3)
     0.158
     """
-    from rlkit.plan.memory import recompute_mode
     from rlkit.plan.spec import as_spec
+    from rlkit.plan.units import recompute_mode
 
     spec = as_spec(model)
     recompute = recompute_mode(recompute, activation_checkpointing)

@@ -28,12 +28,21 @@ SHARDING = {
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n``, ascending: the degrees a dimension of size ``n`` can split into.
+
+    >>> divisors(12)
+    [1, 2, 3, 4, 6, 12]
+    """
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _short_list(xs: list[int], keep: int = 8) -> str:
-    """[0, 32, 64, ..., 480] for long groups, so tooltips stay a few lines."""
+def short_list(xs: list[int], keep: int = 8) -> str:
+    """A list of ranks, elided in the middle when longer than ``keep``, so tooltips stay a few lines.
+
+    >>> short_list([0, 1, 2]), short_list(list(range(0, 512, 32)))
+    ('[0, 1, 2]', '[0, 32, 64, 96, 128, 160, …, 448, 480]')
+    """
     if len(xs) <= keep:
         return str(xs)
     return "[" + ", ".join(map(str, xs[: keep - 2])) + ", …, " + ", ".join(map(str, xs[-2:])) + "]"
@@ -98,7 +107,7 @@ class ParallelPlan:
             size = self.dp_shard_size
             if size is None or isinstance(size, bool) or not isinstance(size, int) or size < 1 or self.dp % size:
                 raise PlanError(f"dp_shard='hybrid_shard' needs dp_shard_size dividing dp={self.dp}; "
-                                f"got dp_shard_size={size!r}; choose one of {_divisors(self.dp)}")
+                                f"got dp_shard_size={size!r}; choose one of {divisors(self.dp)}")
         elif self.dp_shard_size not in (None, self.dp):
             raise PlanError(f"dp_shard_size={self.dp_shard_size!r} only applies with dp_shard='hybrid_shard'")
         if self.vpp > 1 and self.pp == 1:
@@ -257,7 +266,7 @@ class ParallelPlan:
         out = []
         crossing = [g for g in self.groups("tp") if len({r // per for r in g}) > 1]
         if crossing:
-            ok = [t for t in _divisors(per) if t <= per]
+            ok = [t for t in divisors(per) if t <= per]
             out.append(f"{len(crossing)} TP group(s) span nodes (e.g. ranks {crossing[0]} with "
                        f"{per} devices per node); TP all-reduces every layer, keep tp <= devices_per_node "
                        f"and tp fastest in order: tp in {ok}")
@@ -275,7 +284,7 @@ class ParallelPlan:
             row = {"rank": r, "node": r // per, "local_device": r % per, **self.coords(r)}
             if num_layers is not None:
                 layers = self.layers_of_rank(r, num_layers)
-                row["layers"] = _ranges_str(layers)
+                row["layers"] = ranges_str(layers)
                 row["first_stage"] = row["pp"] == 0
                 row["last_stage"] = row["pp"] == self.pp - 1
             rows.append(row)
@@ -455,15 +464,19 @@ def _cluster_devices(cluster: Any) -> int:
 
 
 def _common_divisors(*ns: int) -> list[int]:
-    return [d for d in _divisors(min(ns)) if all(n % d == 0 for n in ns)]
+    return [d for d in divisors(min(ns)) if all(n % d == 0 for n in ns)]
 
 
 def _fmt_set(values: list[int]) -> str:
     return "{" + ", ".join(map(str, values)) + "}"
 
 
-def _ranges_str(layers: list[int]) -> str:
-    """[0,1,2,5,6] -> '0-2,5-6'."""
+def ranges_str(layers: list[int]) -> str:
+    """Sorted integers as ranges of consecutive runs.
+
+    >>> ranges_str([0, 1, 2, 5, 6, 9])
+    '0-2,5-6,9'
+    """
     if not layers:
         return ""
     spans, start, prev = [], layers[0], layers[0]

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets as W
 
 from rlkit.errors import PlanError
-from rlkit.plan.memory import RECOMPUTE  # the cost models' modes: one list
+from rlkit.plan.units import RECOMPUTE  # the cost models' modes: one list
 from rlkit.widgets.plan_view import GIB, _new_axes, figure_html, figure_png, memory_figure
 
 if TYPE_CHECKING:

@@ -31,7 +31,7 @@ from ipywidgets.widgets.widget_string import HTMLStyle
 from rlkit.errors import PlanError
 from rlkit.plan.memory import COMPONENTS as MEMORY_COLUMNS  # byte columns, stacked in this order
 from rlkit.plan.memory import collapse_ranks  # noqa: F401  (part of this module's API)
-from rlkit.plan.topology import DIMS, SCHEDULES, _ranges_str, _short_list
+from rlkit.plan.topology import DIMS, SCHEDULES, ranges_str, short_list
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -116,7 +116,7 @@ class _RankFacts:
             spec = as_spec(model)
             self.model_name = spec.name
             # layers per pipeline rank, computed once per pp rank rather than once per rank
-            self.stage_layers = [_ranges_str(plan.layers_of_rank(plan.rank(pp=p), spec.num_layers))
+            self.stage_layers = [ranges_str(plan.layers_of_rank(plan.rank(pp=p), spec.num_layers))
                                  for p in range(plan.pp)]
 
     def node(self, rank: int) -> tuple[int, int]:
@@ -152,9 +152,9 @@ class _RankFacts:
         if self.layout is None:
             return []
         g = self.gen[rank]
-        return [(f"generation group #{self.group_index[GEN][rank]}", _short_list(self._members(rank, GEN))),
+        return [(f"generation group #{self.group_index[GEN][rank]}", short_list(self._members(rank, GEN))),
                 ("gen_tp (generation shard)", f"{g['gen_tp']} of {self.layout.tp}"),
-                ("micro-DP group", _short_list(self.micro[self.micro_index[rank]]))]
+                ("micro-DP group", short_list(self.micro[self.micro_index[rank]]))]
 
     def tooltip(self, rank: int) -> str:
         c = self.coords[rank]
@@ -163,7 +163,7 @@ class _RankFacts:
         if self.stage_layers is not None:
             lines.append(f"layers {self.stage_layers[c['pp']]} (stage {c['pp']})")
         for d in ("tp", "pp", "dp"):
-            lines.append(f"{d.upper()} group: {_short_list(self._members(rank, d))}")
+            lines.append(f"{d.upper()} group: {short_list(self._members(rank, d))}")
         lines += [f"{k}: {v}" for k, v in self._gen_lines(rank)]
         return "\n".join(lines)
 
@@ -176,7 +176,7 @@ class _RankFacts:
             rows.append((f"layers of {html.escape(self.model_name or 'model')}",
                          f"{self.stage_layers[c['pp']]} (pipeline stage {c['pp']})"))
         for d in ("tp", "pp", "dp"):
-            rows.append((f"{d.upper()} group #{self.group_index[d][rank]}", _short_list(self._members(rank, d))))
+            rows.append((f"{d.upper()} group #{self.group_index[d][rank]}", short_list(self._members(rank, d))))
         rows += self._gen_lines(rank)
         body = "".join(f"<tr><td style='padding:1px 8px 1px 0;color:#555'>{k}</td><td>{v}</td></tr>"
                        for k, v in rows)

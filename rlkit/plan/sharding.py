@@ -1,0 +1,215 @@
+"""The sharded-tensor model: which piece of each parameter tensor a rank holds under TP, FSDP and PP.
+
+Pure Python (no torch import). A model's parameters are listed tensor by tensor (q/k/v/o, gate/up/down,
+biases, norms, embedding, lm_head) as ``(name, dim0, dim1, tp_dim)``: ``tp_dim`` 0 is ColwiseParallel
+(Shard(0)), 1 is RowwiseParallel (Shard(1)), None is replicated over TP; 1-D tensors have ``dim1 = 1``.
+Splits follow ``torch.chunk`` (pieces of ceil(n/parts), the last ones shorter or empty), as DTensor's
+uneven Shard and FSDP2 do. The memory and communication models count bytes from these shapes.
+
+>>> from rlkit.plan.spec import as_spec
+>>> tensors = layer_tensors(as_spec("qwen2.5-7b"))
+>>> tensors[0]                               # q_proj: (q_dim, hidden), column-parallel
+('q_proj', 3584, 3584, 0)
+>>> rank_shard(tensors, 28, tp=4, t=0, S=8, j=0).tensors    # 28 layers of tensors on one rank
+336
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlkit.plan.spec import ModelSpec
+    from rlkit.plan.topology import ParallelPlan
+
+#: one parameter tensor: (name, dim0, dim1, tp_dim); tp_dim None = replicated over TP
+Tensor = tuple[str, int, int, int | None]
+
+
+def chunk_len(n: int, parts: int, index: int) -> int:
+    """Length of piece ``index`` when ``n`` is split like ``torch.chunk``: pieces of ceil(n/parts),
+    the last ones shorter or empty (DTensor's uneven Shard and FSDP2's ``_chunk_with_empty``).
+
+    >>> [chunk_len(10, 4, i) for i in range(4)], [chunk_len(5, 4, i) for i in range(4)]
+    ([3, 3, 3, 1], [2, 2, 1, 0])
+    """
+    c = -(-n // parts)
+    return max(0, min(c, n - index * c))
+
+
+def chunk_overlap(n: int, a: int, i: int, b: int, j: int) -> int:
+    """Length of the intersection of ``torch.chunk`` piece ``i`` of ``a`` and piece ``j`` of ``b`` of
+    a dim of length ``n`` (a training TP chunk inside a generation TP chunk).
+
+    >>> chunk_overlap(8, 4, 1, 2, 0), chunk_overlap(8, 4, 2, 2, 0)   # quarter 1 lies in half 0
+    (2, 0)
+    """
+    ca, cb = -(-n // a), -(-n // b)
+    lo, hi = max(i * ca, j * cb), min(min((i + 1) * ca, n), min((j + 1) * cb, n))
+    return max(0, hi - lo)
+
+
+def split_dims(d0: int, d1: int, tp_dim: int | None) -> tuple[int, int]:
+    """(length of the TP-split dim, product of the other dims) of a tensor.
+
+    >>> split_dims(1024, 4096, 0), split_dims(1024, 4096, 1)
+    ((1024, 4096), (4096, 1024))
+    """
+    return (d0, d1) if tp_dim == 0 else (d1, d0)
+
+
+# ---- the parameter tensors of each part, with their TP split ------------------------------------
+def layer_tensors(spec: ModelSpec) -> list[Tensor]:
+    """The parameter tensors of one decoder layer, biases and norms included.
+
+    >>> from rlkit.plan.spec import as_spec
+    >>> [name for name, *_ in layer_tensors(as_spec("llama-2-7b"))][:4]
+    ['q_proj', 'k_proj', 'v_proj', 'o_proj']
+    """
+    h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
+    out: list[Tensor] = [("q_proj", q, h, 0), ("k_proj", kv, h, 0), ("v_proj", kv, h, 0), ("o_proj", h, q, 1),
+                         ("gate_proj", i, h, 0), ("up_proj", i, h, 0), ("down_proj", h, i, 1),
+                         ("input_layernorm", h, 1, None), ("post_attention_layernorm", h, 1, None)]
+    if spec.qkv_bias:
+        out += [("q_proj.bias", q, 1, 0), ("k_proj.bias", kv, 1, 0), ("v_proj.bias", kv, 1, 0)]
+    if spec.o_bias:
+        out.append(("o_proj.bias", h, 1, None))  # row-parallel bias: replicated, added after the reduce
+    if spec.mlp_bias:
+        out += [("gate_proj.bias", i, 1, 0), ("up_proj.bias", i, 1, 0), ("down_proj.bias", h, 1, None)]
+    return out
+
+
+def root_tensors(spec: ModelSpec, pp: int, tp: int, pp_rank: int, role: str,
+                 vocab_parallel: bool) -> list[Tensor]:
+    """Parameters outside the decoder layers held by pipeline rank ``pp_rank`` of ``pp``: embedding
+    on the first stage; final norm and lm_head (or the critic's value head) on the last.
+
+    >>> from rlkit.plan.spec import as_spec
+    >>> [name for name, *_ in root_tensors(as_spec("llama-2-7b"), 2, 1, 1, "actor", True)]
+    ['norm', 'lm_head']
+    """
+    vdim = 0 if vocab_parallel else None
+    h, v = spec.hidden_size, spec.vocab_size
+    out: list[Tensor] = []
+    if pp_rank == 0:
+        out.append(("embed_tokens", v, h, vdim))  # RowwiseParallel on an embedding shards the vocab
+    if pp_rank == pp - 1:
+        out.append(("norm", h, 1, None))
+        if role == "critic":
+            out += [("value_head", 1, h, None), ("value_head.bias", 1, 1, None)]
+        elif not spec.tie_word_embeddings or pp > 1:
+            # untied lm_head, or the last stage's own copy of a tied embedding (spec.stage_params);
+            # with pp == 1 a tied model holds one matrix, also under TP (apply_tp re-ties the shards)
+            out.append(("lm_head", v, h, vdim))
+    return out
+
+
+def owned_tensors(spec: ModelSpec, plan: ParallelPlan) -> list[list[tuple[tuple[Tensor, ...], int]]]:
+    """Per pipeline rank: ``(tensors, count)`` of the parameters it owns *once* in HF's naming, as
+    ``ParallelModel._param_meta`` lists them for resharding: its decoder layers and its root tensors,
+    but not a tied embedding's last-stage copy (pp > 1), which is training-only: the generation
+    layout's lm_head is the embedding.
+
+    >>> from rlkit.plan import ParallelPlan
+    >>> from rlkit.plan.spec import as_spec
+    >>> [[count for _, count in rank] for rank in owned_tensors(as_spec("qwen2.5-7b"), ParallelPlan(pp=2))]
+    [[14, 1], [14, 1]]
+    """
+    pp = plan.pp
+    layers = [0] * pp
+    for st, rng in enumerate(plan.stage_layers(spec.num_layers)):
+        layers[st % pp] += len(rng)
+    layer_t = tuple(layer_tensors(spec))
+    out = []
+    for p in range(pp):
+        root = tuple(x for x in root_tensors(spec, pp, plan.tp, p, "actor", True)
+                     if not (spec.tie_word_embeddings and x[0] == "lm_head"))
+        out.append([(layer_t, layers[p]), (root, 1)])
+    return out
+
+
+def reused_by_generation(spec: ModelSpec, plan: ParallelPlan, rollout_tp: int, pp_rank: int,
+                         tp_rank: int) -> int:
+    """Elements of a rank's training shard that lie inside its generation shard (3D-HybridEngine):
+    all of its stage's TP-local parameters but a tied embedding's last-stage copy (of an unevenly split
+    dim, the overlap of the two ``torch.chunk`` pieces). Without FSDP the Resharder keeps them in place
+    (aliased, or copied into their slot and the training storage released), so generating adds only
+    the rest of the generation shard.
+
+    >>> from rlkit.plan import ParallelPlan
+    >>> from rlkit.plan.spec import as_spec
+    >>> spec = as_spec("qwen2.5-0.5b")
+    >>> reused_by_generation(spec, ParallelPlan(), 1, 0, 0) == spec.num_params    # same layout: all of it
+    True
+    >>> layers = rank_shard(layer_tensors(spec), 24, tp=2, t=0, S=1, j=0)     # tp=2 training, rank 0
+    >>> root = rank_shard(root_tensors(spec, 1, 2, 0, "actor", True), 1, tp=2, t=0, S=1, j=0)
+    >>> reused_by_generation(spec, ParallelPlan(tp=2), 1, 0, 0) == layers.local + root.local   # all inside
+    True
+    """
+    k = plan.tp // rollout_tp
+    g = tp_rank // k
+    n_el = 0
+    for tensors, count in owned_tensors(spec, plan)[pp_rank]:
+        for _name, d0, d1, td in tensors:
+            if td is None:
+                n_el += d0 * d1 * count
+            else:
+                n, other = split_dims(d0, d1, td)
+                n_el += chunk_overlap(n, plan.tp, tp_rank, rollout_tp, g) * other * count
+    return n_el
+
+
+# ---- what one rank holds ---------------------------------------------------------------------------
+@dataclass
+class Shard:
+    """Elements one rank holds for a list of tensors.
+
+    >>> Shard(padded=6, actual=5, local=10, tensors=2).actual
+    5
+    """
+
+    padded: int = 0     # FSDP2 storage: ceil(dim0/S) rows per tensor (params, grads)
+    actual: int = 0     # this rank's real rows (optimizer states: zeros_like of the unpadded view)
+    local: int = 0      # the TP-local tensor before FSDP (unsharded compute copy)
+    tensors: int = 0
+
+
+def rank_shard(tensors: list[Tensor] | tuple[Tensor, ...], count: int, tp: int, t: int, S: int, j: int) -> Shard:
+    """What the rank with TP index ``t`` of ``tp`` and FSDP shard index ``j`` of ``S`` holds of
+    ``count`` copies of ``tensors`` (e.g. a stage's decoder layers).
+
+    >>> rank_shard([("w", 10, 3, 0)], 2, tp=2, t=1, S=2, j=1)     # rows 5..9 of each, then 3 + 2 rows
+    Shard(padded=18, actual=12, local=30, tensors=2)
+    """
+    one = _shard_one(tuple(tensors), tp, t, S, j)
+    return Shard(one.padded * count, one.actual * count, one.local * count, one.tensors * count)
+
+
+@lru_cache(maxsize=8192)
+def _shard_one(tensors: tuple[Tensor, ...], tp: int, t: int, S: int, j: int) -> Shard:
+    """One copy of each tensor (counts scale linearly): memoised, since a plan search asks for the
+    same layer shapes under the same (tp, shard) split thousands of times."""
+    out = Shard()
+    for _name, d0, d1, tp_dim in tensors:
+        l0 = chunk_len(d0, tp, t) if tp_dim == 0 else d0
+        l1 = chunk_len(d1, tp, t) if tp_dim == 1 else d1
+        c = -(-l0 // S)
+        out.padded += c * l1
+        out.actual += chunk_len(l0, S, j) * l1
+        out.local += l0 * l1
+        out.tensors += 1
+    return out
+
+
+def uneven_splits(tensors: list[Tensor], tp: int, S: int) -> tuple[bool, bool]:
+    """(TP split uneven anywhere, FSDP split uneven anywhere): ranks differ only when True.
+
+    >>> uneven_splits([("w", 10, 3, 0)], tp=2, S=2), uneven_splits([("w", 10, 3, 0)], tp=4, S=1)
+    ((False, True), (True, False))
+    """
+    tp_uneven = any((d0 if td == 0 else d1) % tp for _, d0, d1, td in tensors if td is not None)
+    fs_uneven = any(chunk_len(d0, tp, t) % S if td == 0 else d0 % S
+                    for _, d0, d1, td in tensors for t in range(tp if td == 0 else 1))
+    return tp_uneven, fs_uneven
