@@ -14,10 +14,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from rlkit.widgets.figures import figure_png
 from rlkit.widgets.live import (
     PHASES,
     LiveView,
-    figure_to_png,
     in_notebook,
     metrics_figure,
     panels,
@@ -51,6 +51,11 @@ def make_rows(n: int = 200, workers: int = 4, seed: int = 0) -> list[dict]:
 @pytest.fixture(scope="module")
 def rows() -> list[dict]:
     return make_rows()
+
+
+def live_png(fig) -> bytes:
+    """PNG bytes as the live view exports its figures: at their own dpi, laid out by metrics_figure."""
+    return figure_png(fig, dpi=None, tight=False, clear=True)
 
 
 def is_png(data: bytes) -> tuple[int, int]:
@@ -123,11 +128,11 @@ def test_missing_keys_skip_their_panels(rows):
     assert [ln.get_label() for ln in fig.axes[-1].lines] == ["max over workers"]
     # nothing plottable: an empty figure with a note, still a valid PNG
     fig = metrics_figure([{"step": 1, "extra": 1.0}])
-    assert fig.axes == [] and is_png(figure_to_png(fig))
+    assert fig.axes == [] and is_png(live_png(fig))
 
 
 def test_png_bytes_are_a_valid_png(rows):
-    width, height = is_png(figure_to_png(metrics_figure(rows)))
+    width, height = is_png(live_png(metrics_figure(rows)))
     assert (width, height) == (960, 432)  # 12 x 5.4 in at 80 dpi: 3 columns x 2 rows of panels
 
 
@@ -177,13 +182,13 @@ def test_throttle_counts_redraws_on_a_controlled_clock(rows, monkeypatch):
 
     clock = Clock()
     monkeypatch.setattr(live, "time", clock)
-    real_png = live.figure_to_png
+    real_png = live.figure_png
 
     def slow_png(*a, **k):
         clock.now += 2.0 ** -4  # every draw costs 1/16 s of the fake clock
         return real_png(*a, **k)
 
-    monkeypatch.setattr(live, "figure_to_png", slow_png)
+    monkeypatch.setattr(live, "figure_png", slow_png)
     fast = LiveView(100, mode="widget")
     drawn_at_steps = []
     for i, row in enumerate(rows[:100], start=1):
@@ -269,6 +274,8 @@ def test_save_plots_writes_the_pngs(rows, tmp_path):
     assert paths == [str(run_dir / "reward.png"), str(run_dir / "dashboard.png")]
     reward_wh, dash_wh = (is_png(Path(p).read_bytes()) for p in paths)
     assert reward_wh[0] < dash_wh[0]  # one panel vs three columns
+    # written through a temp file and os.replace (rlkit.atomic): nothing else is left in the folder
+    assert sorted(p.name for p in run_dir.iterdir()) == ["dashboard.png", "reward.png"]
     # rows without a reward (list input): only the dashboard
     assert save_plots(drop(rows[:3], "reward/"), tmp_path / "r2") == [str(tmp_path / "r2" / "dashboard.png")]
 

@@ -14,7 +14,6 @@ from rlkit.plan.schedule import (
     peak_in_flight,
     pipeline_order,
     pipeline_timeline,
-    plot_timeline,
 )
 
 SHAPES = [(2, 2), (2, 6), (3, 6), (4, 4), (4, 8), (4, 12), (8, 16)]  # (pp, micro_batches)
@@ -152,15 +151,6 @@ def test_plan_delegates():
     assert df.attrs["schedule"] == "interleaved-1f1b" and df.end.max() == pytest.approx((16 + 3) * 4 / 2)
     assert plan.bubble_fraction() == pytest.approx(3 / 19)
     assert ParallelPlan(dp=8).bubble_fraction() == 0.0
-
-
-def test_plot_timeline_draws_every_op():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    df = pipeline_timeline(4, 8, "interleaved-1f1b", vpp=2)
-    ax = plot_timeline(df)
-    assert len(ax.patches) == len(df) and "bubble 15.8%" in ax.get_title()
 
 
 @pytest.mark.parametrize("schedule,vpp", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4)])

@@ -17,20 +17,20 @@ import pytest
 from rlkit.errors import PlanError
 from rlkit.plan import ParallelPlan
 from rlkit.plan.cli import main
-from rlkit.plan.memory import estimate_memory
+from rlkit.plan.memory import collapse_ranks, estimate_memory
 from rlkit.plan.schedule import bubble_fraction, pipeline_timeline
-from rlkit.widgets.plan_view import (
+from rlkit.plan.search import search_plans
+from rlkit.widgets.figures import (
     GIB,
-    PlanView,
-    TimelineView,
-    collapse_ranks,
     figure_html,
     memory_figure,
     memory_png,
-    plan_html,
+    plot_plans,
+    plot_timeline,
     timeline_figure,
     timeline_png,
 )
+from rlkit.widgets.plan_view import PlanView, TimelineView, plan_html
 
 matplotlib.use("Agg")
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,6 +163,18 @@ def test_memory_bars_collapse_identical_ranks_and_draw_device_line():
     assert figure_html(memory_figure(small)).startswith("<img src='data:image/png;base64,iVBORw0KGgo")
 
 
+def test_plot_timeline_draws_every_op():
+    df = pipeline_timeline(4, 8, "interleaved-1f1b", vpp=2)
+    ax = plot_timeline(df)
+    assert len(ax.patches) == len(df) and "bubble 15.8%" in ax.get_title()
+
+
+def test_plot_plans():
+    df = search_plans("qwen2.5-7b", gpus=8)
+    ax = plot_plans(df)
+    assert sum(len(c.get_offsets()) for c in ax.collections) == int(df.valid.sum())
+
+
 def test_timeline_png_and_widget_controls_redraw():
     df = pipeline_timeline(4, 8, "1f1b")
     fig = timeline_figure(df)
@@ -217,3 +229,4 @@ def test_plan_layer_imports_no_view_libraries():
             "print(sorted(m for m in ('ipywidgets', 'matplotlib', 'torch') if m in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+

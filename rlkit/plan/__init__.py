@@ -9,9 +9,8 @@ from rlkit.plan.schedule import (
     peak_in_flight,
     pipeline_order,
     pipeline_timeline,
-    plot_timeline,
 )
-from rlkit.plan.search import Recommendation, plot_plans, recommend, search_plans
+from rlkit.plan.search import Recommendation, recommend, search_plans
 from rlkit.plan.spec import ModelSpec, as_spec, bundled_models
 from rlkit.plan.throughput import GPUS, NETWORKS, estimate_generation, estimate_throughput
 from rlkit.plan.topology import SCHEDULES, SHARDING, ParallelPlan
@@ -19,7 +18,16 @@ from rlkit.plan.units import parse_bytes
 
 __all__ = ["ModelSpec", "ParallelPlan", "SCHEDULES", "SHARDING", "as_spec", "bundled_models",
            "pipeline_order", "pipeline_timeline", "bubble_fraction", "idle_fraction", "peak_in_flight",
-           "plot_timeline", "GPUS", "NETWORKS", "estimate_throughput", "estimate_generation",
-           "search_plans", "recommend", "plot_plans", "Recommendation",
+           "GPUS", "NETWORKS", "estimate_throughput", "estimate_generation",
+           "search_plans", "recommend", "Recommendation",
            "estimate_memory", "explain_fit", "compare_memory", "parse_bytes", "RolloutMemory",
            "estimate_communication", "estimate_resharding", "GenerationLayout", "BANDWIDTHS"]
+
+# figures are drawn by the widgets layer, which this package may not import: say where they went
+_MOVED = {"plot_timeline": "rlkit.widgets.figures", "plot_plans": "rlkit.widgets.figures"}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        raise AttributeError(f"rlkit.plan.{name} moved to {_MOVED[name]}: from {_MOVED[name]} import {name}")
+    raise AttributeError(f"module 'rlkit.plan' has no attribute {name!r}")

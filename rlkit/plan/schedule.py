@@ -20,7 +20,7 @@ That keeps plans with different vpp comparable at equal work.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rlkit.errors import PlanError
 
@@ -215,38 +215,3 @@ def peak_in_flight(df: pd.DataFrame) -> pd.Series:
             peak = max(peak, held)
         out[stage] = peak / vpp
     return pd.Series(out, name="peak_in_flight", dtype=float).rename_axis("stage")
-
-
-def plot_timeline(df: pd.DataFrame, ax: Any = None) -> Any:
-    """Gantt chart of a timeline: one row per stage, coloured by micro-batch, B hatched and lighter.
-
-    >>> ax = plot_timeline(pipeline_timeline(4, 8))   # doctest: +SKIP
-    """
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * df.stage.nunique()))
-    cmap = plt.get_cmap("tab20")
-    m = int(df.micro_batch.max()) + 1
-    label = len(df) / max(df.stage.nunique(), 1) <= 48  # text only while the boxes are wide enough
-    for row in df.itertuples():
-        forward = row.kind == "F"
-        ax.barh(row.stage, row.end - row.start, left=row.start, height=0.8, color=cmap(row.micro_batch % 20),
-                alpha=1.0 if forward else 0.55, hatch=None if forward else "//", edgecolor="black", linewidth=0.4)
-        if label:
-            text = f"{row.kind}{row.micro_batch}" + (f".{row.chunk}" if df.attrs.get("vpp", 1) > 1 else "")
-            ax.text((row.start + row.end) / 2, row.stage, text, ha="center", va="center", fontsize=7)
-    ax.set_yticks(sorted(df.stage.unique()))
-    ax.set_yticklabels([f"stage {s}" for s in sorted(df.stage.unique())])
-    ax.invert_yaxis()
-    ax.set_xlabel("time")
-    a = df.attrs
-    title = f"{a.get('schedule', '')}: pp={a.get('pp', '?')}, m={a.get('micro_batches', m)}"
-    if a.get("vpp", 1) > 1:
-        title += f", vpp={a['vpp']}"
-    ax.set_title(f"{title}; bubble {idle_fraction(df):.1%}")
-    ax.legend(handles=[Patch(facecolor="grey", label="forward"), Patch(facecolor="grey", alpha=0.55, hatch="//",
-                                                                        label="backward")],
-              loc="upper right", fontsize=8)
-    return ax

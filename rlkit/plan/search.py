@@ -235,36 +235,12 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
     return df
 
 
-def plot_plans(df: pd.DataFrame, ax: Any = None) -> Any:
-    """Memory per GPU vs tokens/s of each valid plan; fitting plans filled, the rest hollow, the
-    device memory as a dashed line and the best plan labelled.
+def plan_label(row: Any) -> str:
+    """A row of ``search_plans`` in a few words.
 
-    >>> ax = plot_plans(search_plans("qwen2.5-7b", gpus=8))   # doctest: +SKIP
+    >>> plan_label({"dp": 2, "tp": 4, "pp": 1, "vpp": 1, "dp_shard": "full_shard"})
+    'dp=2 tp=4 pp=1 full_shard'
     """
-    import matplotlib.pyplot as plt
-
-    if ax is None:
-        _, ax = plt.subplots(figsize=(7, 4.5))
-    ok = df[df["valid"]]
-    fit, over = ok[ok["fits"]], ok[~ok["fits"]]
-    ax.scatter(fit["memory_gib"], fit["tokens_per_s"], c="tab:green", label=f"fits ({len(fit)})", s=22)
-    ax.scatter(over["memory_gib"], over["tokens_per_s"], facecolors="none", edgecolors="tab:red",
-               label=f"does not fit ({len(over)})", s=22)
-    mem = df.attrs.get("gpu_memory")
-    if mem:
-        ax.axvline(mem / GIB, color="grey", ls="--", lw=1)
-    if len(fit):
-        best = fit.iloc[0]
-        ax.annotate(_short(best), (best["memory_gib"], best["tokens_per_s"]), textcoords="offset points",
-                    xytext=(6, 6), fontsize=8)
-    ax.set_xlabel("memory per GPU (GiB, max over ranks)")
-    ax.set_ylabel("estimated tokens/s")
-    ax.set_title(f"{df.attrs.get('model', '')} on {df.attrs.get('gpus', '?')} GPUs")
-    ax.legend(fontsize=8)
-    return ax
-
-
-def _short(row: Any) -> str:
     s = f"dp={row['dp']} tp={row['tp']} pp={row['pp']}"
     if row["vpp"] > 1:
         s += f" vpp={row['vpp']}"
@@ -322,7 +298,7 @@ def _no_fit_error(spec: Any, df: pd.DataFrame, gpus: int, per_bytes: int, precis
     need = -(-state // per_bytes)
     if len(valid):
         small = valid.sort_values("memory_gib").iloc[0]
-        best = f"the smallest plan ({_short(small)}) needs {small['memory_gib']:.1f} GiB per GPU"
+        best = f"the smallest plan ({plan_label(small)}) needs {small['memory_gib']:.1f} GiB per GPU"
     else:
         best = f"no layout is even valid ({df['why_not'].iloc[0]})"
     return PlanError(
@@ -406,7 +382,7 @@ def recommend(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any = "
         gb = plan.dp * micro_batch * (plan.n_micro_batches if plan.pp > 1 else 1)
         lines.append(f"Goal 'convergence': of the {len(close)} plans within 2x of the fastest, this one has the "
                      f"smallest DP degree (dp={plan.dp}), so the global batch can be as small as {gb} sequences "
-                     f"per step; pure throughput would pick {_short(usable.iloc[0])} at "
+                     f"per step; pure throughput would pick {plan_label(usable.iloc[0])} at "
                      f"{_fmt_rate(usable.iloc[0]['tokens_per_s'])} tokens/s.")
     if goal == "cost":
         lines.append(f"Goal 'cost': {n_used} GPUs is the fewest on which a plan fits (tried {tried}); with all "
@@ -414,7 +390,7 @@ def recommend(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any = "
     others = usable[usable.index != pick.name]
     if len(others):
         nxt = others.iloc[0]
-        lines.append(f"Next best: {_short(nxt)} at {_fmt_rate(nxt['tokens_per_s'])} tokens/s, "
+        lines.append(f"Next best: {plan_label(nxt)} at {_fmt_rate(nxt['tokens_per_s'])} tokens/s, "
                      f"{nxt['memory_gib']:.1f} GiB per GPU. {len(usable)} of {len(df)} candidates fit; "
                      f"{int((~df['valid']).sum())} are invalid (see the why_not column).")
     return Recommendation(plan=plan, reason="\n".join(lines), table=df, goal=goal, estimate=pick.to_dict())

@@ -176,7 +176,8 @@ class Shard:
     tensors: int = 0
 
 
-def rank_shard(tensors: list[Tensor] | tuple[Tensor, ...], count: int, tp: int, t: int, S: int, j: int) -> Shard:
+def rank_shard(tensors: list[Tensor] | tuple[Tensor, ...], count: int, tp: int, t: int, S: int,
+               j: int) -> Shard:
     """What the rank with TP index ``t`` of ``tp`` and FSDP shard index ``j`` of ``S`` holds of
     ``count`` copies of ``tensors`` (e.g. a stage's decoder layers).
 

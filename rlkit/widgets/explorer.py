@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 import ipywidgets as W
 
 from rlkit.errors import PlanError
+from rlkit.plan.topology import divisors
 from rlkit.plan.units import RECOMPUTE  # the cost models' modes: one list
-from rlkit.widgets.plan_view import GIB, _new_axes, figure_html, figure_png, memory_figure
+from rlkit.widgets.figures import GIB, figure_html, figure_png, memory_figure, new_axes
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -114,10 +115,6 @@ def explorer_figure(plan: ParallelPlan, model: Any, *, seq_len: int = 4096, micr
 def _title(name: str | None, plan: ParallelPlan, gpu: Any, estimate: dict[str, Any]) -> str:
     return (f"{name or 'model'} · {plan.describe().split(';')[0]} on {gpu}: "
             f"{_rate(estimate['tokens_per_s'])} tokens/s, MFU {estimate['achieved_mfu']:.0%}")
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 class PlanExplorer(W.VBox):
@@ -382,7 +379,7 @@ class PlanExplorer(W.VBox):
         Default: the largest group whose dp x tp ranks fit in one node."""
         dp, tp = self.controls["dp"].value, self.controls["tp"].value
         control = self.controls["dp_shard_size"]
-        sizes = _divisors(dp)
+        sizes = divisors(dp)
         if wanted not in sizes:
             wanted = control.value if control.value in sizes else max(
                 (s for s in sizes if s * tp <= self.devices_per_node), default=1)
@@ -443,7 +440,7 @@ def pareto_figure(df: pd.DataFrame, *, ax: Any = None, title: str | None = None)
     ok = df[df["valid"].astype(bool)] if "valid" in df.columns else df
     fits = ok["fits"].astype(bool)
     fit, over = ok[fits], ok[~fits]
-    fig, ax = _new_axes(ax, (7.5, 4.5))
+    fig, ax = new_axes(ax, (7.5, 4.5))
     ax.scatter(fit["memory_gib"], fit["tokens_per_s"], s=20, color="tab:green", alpha=0.7,
                label=f"fits ({len(fit)})")
     ax.scatter(over["memory_gib"], over["tokens_per_s"], s=20, facecolors="none", edgecolors="tab:red",

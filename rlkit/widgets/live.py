@@ -28,7 +28,6 @@ steps, the view redraws less often (it never spends more than ``max_draw_share``
 from __future__ import annotations
 
 import html
-import io
 import math
 import os
 import re
@@ -37,6 +36,9 @@ import time
 from typing import IO, TYPE_CHECKING, Any
 
 import pandas as pd
+
+from rlkit import atomic
+from rlkit.widgets.figures import figure_png
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -249,23 +251,6 @@ def _new_figure(titles: list[str], title: str, fig: Figure | None) -> Figure:
     return fig
 
 
-def figure_to_png(fig: Figure, *, clear: bool = True) -> bytes:
-    """PNG bytes of a figure via its Agg canvas; clears it (unless ``clear=False``, to reuse it) so its
-    artists are freed at once.
-
-    >>> from matplotlib.figure import Figure
-    >>> figure_to_png(Figure(figsize=(1, 1)))[:8] == b"\\x89PNG\\r\\n\\x1a\\n"
-    True
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    buf = io.BytesIO()
-    FigureCanvasAgg(fig).print_png(buf)
-    if clear:
-        fig.clear()
-    return buf.getvalue()
-
-
 def save_plots(df_or_rows: pd.DataFrame | list[dict[str, Any]], run_dir: str | os.PathLike,
                *, rolling: int = 10, title: str = "") -> list[str]:
     """Write ``reward.png`` (the reward panel alone, when the rows have ``reward/mean``) and
@@ -276,7 +261,6 @@ def save_plots(df_or_rows: pd.DataFrame | list[dict[str, Any]], run_dir: str | o
     >>> [os.path.basename(p) for p in save_plots(rows, tempfile.mkdtemp())]
     ['reward.png', 'dashboard.png']
     """
-    os.makedirs(run_dir, exist_ok=True)
     df = _frame(df_or_rows)
     figs = {"dashboard.png": metrics_figure(df, rolling=rolling, title=title)}
     if _has(df, "reward/mean"):
@@ -284,8 +268,8 @@ def save_plots(df_or_rows: pd.DataFrame | list[dict[str, Any]], run_dir: str | o
     paths = []
     for name, fig in figs.items():
         path = os.path.join(os.fspath(run_dir), name)
-        with open(path, "wb") as f:
-            f.write(figure_to_png(fig))
+        # whole files or none: a reader (or a crash) never sees half a PNG; creates run_dir if missing
+        atomic.write_bytes(path, figure_png(fig, dpi=None, tight=False, clear=True))
         paths.append(path)
     return paths
 
@@ -357,7 +341,7 @@ class LiveView:
 
     def png(self) -> bytes:
         """The dashboard as PNG bytes."""
-        return figure_to_png(self.figure())
+        return figure_png(self.figure(), dpi=None, tight=False, clear=True)
 
     def _repr_png_(self) -> bytes:  # static fallback: `view` as a cell's last line shows the figure
         return self.png()
@@ -394,7 +378,7 @@ class LiveView:
             return
         t0 = time.perf_counter()
         self._fig = metrics_figure(self.df, rolling=self.rolling, title=self.title, fig=self._fig)
-        self._image.value = figure_to_png(self._fig, clear=False)
+        self._image.value = figure_png(self._fig, dpi=None, tight=False)  # kept: the next redraw reuses it
         self._drawn_at = time.perf_counter()
         self.draw_s = self._drawn_at - t0
         self._drawn_rows = len(self.rows)

@@ -1,9 +1,9 @@
-"""Views of a ParallelPlan: the rank grid, memory per device, and the pipeline timeline.
+"""Views of a ParallelPlan: the rank grid and the pipeline timeline.
 
 Each view comes twice: an ipywidgets widget for Jupyter, and a static fallback that renders where no
-widget frontend runs (nbconvert, GitHub, a plain REPL): an HTML table with inline styles for the grid and
-matplotlib figures (as PNG bytes) for memory and timeline. No custom JavaScript and nothing from a CDN:
-the machines this runs on are often offline.
+widget frontend runs (nbconvert, GitHub, a plain REPL): an HTML table with inline styles for the grid,
+a PNG for the timeline (the figures, memory per device among them, live in ``rlkit.widgets.figures``).
+No custom JavaScript and nothing from a CDN: the machines this runs on are often offline.
 
 >>> from rlkit.plan import ParallelPlan
 >>> from rlkit.widgets.plan_view import PlanView, plan_html
@@ -20,26 +20,19 @@ False
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 from typing import TYPE_CHECKING, Any
 
 import ipywidgets as W
 from ipywidgets.widgets.widget_string import HTMLStyle
 
 from rlkit.errors import PlanError
-from rlkit.plan.memory import COMPONENTS as MEMORY_COLUMNS  # byte columns, stacked in this order
-from rlkit.plan.memory import collapse_ranks  # noqa: F401  (part of this module's API)
 from rlkit.plan.topology import DIMS, SCHEDULES, ranges_str, short_list
+from rlkit.widgets.figures import timeline_png
 
 if TYPE_CHECKING:
-    import pandas as pd
-    from matplotlib.figure import Figure
-
     from rlkit.plan.topology import ParallelPlan
 
-GIB = 2**30
 # What each dimension splits and what it costs: shown next to the grid, because that is the lesson.
 DIM_HELP = {
     "tp": "Tensor parallel: the ranks of a group split every layer's weight matrices and all-reduce "
@@ -348,129 +341,7 @@ def plan_mimebundle(plan: ParallelPlan, **kw: Any) -> dict[str, Any]:
     return {**bundle, **widget_bundle}
 
 
-# ---- figures -> bytes / HTML / widget (Agg's display(fig) shows only text) --------------------------
-def figure_png(fig: Figure, dpi: int = 100) -> bytes:
-    """PNG bytes of a matplotlib figure; closes it so figures don't pile up in a kernel."""
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
-    return buf.getvalue()
-
-
-def figure_html(fig: Figure) -> str:
-    """A base64 ``<img>`` of the figure: renders in any HTML view, offline."""
-    return f"<img src='data:image/png;base64,{base64.b64encode(figure_png(fig)).decode()}'/>"
-
-
-def figure_widget(fig: Figure) -> Any:
-    """The figure as an ``ipywidgets.Image`` (works whatever the matplotlib backend)."""
-    return W.Image(value=figure_png(fig), format="png")
-
-
-def _new_axes(ax: Any, size: tuple[float, float]) -> tuple[Figure, Any]:
-    if ax is not None:
-        return ax.figure, ax
-    from matplotlib.figure import Figure as _Figure
-
-    # A bare Figure (not pyplot) so building one never touches the notebook's backend state.
-    fig = _Figure(figsize=size)
-    return fig, fig.add_subplot()
-
-
-# ---- memory per device -----------------------------------------------------------------------------
-def memory_figure(df: pd.DataFrame, *, max_bars: int = 32, ax: Any = None, title: str | None = None) -> Figure:
-    """Stacked bars of memory per rank in GiB (weights, grads, optimizer, activations, ...), with the
-    device memory as a dashed line when ``df.attrs["device_memory"]`` is set. Plans with more than
-    ``max_bars`` ranks draw one bar per group of identical ranks, labelled with the ranks it stands for.
-
-    ``df`` is what ``rlkit.plan.memory.estimate_memory`` returns: one row per rank, byte columns.
-
-    >>> import pandas as pd
-    >>> df = pd.DataFrame({"rank": [0, 1], "weights": [2**30, 2**30], "grads": [0, 0], "total": [2**30] * 2})
-    >>> fig = memory_figure(df); len(fig.axes[0].patches)   # 2 weights bars; all-zero grads are left out
-    2
-    """
-    missing = [c for c in ("total",) if c not in df.columns]
-    parts = [c for c in MEMORY_COLUMNS if c in df.columns]
-    if missing or not parts:
-        raise PlanError(f"memory_figure needs the DataFrame of estimate_memory (columns {list(MEMORY_COLUMNS)} "
-                        f"and total); got columns {list(df.columns)}")
-    if len(df) > max_bars:
-        bars = collapse_ranks(df)
-        labels = [_bar_label(r, c) for r, c in zip(bars["ranks"], bars["count"])]
-    else:
-        bars = df
-        labels = [str(r) for r in (df["rank"] if "rank" in df.columns else df.index)]
-    fig, ax = _new_axes(ax, (max(6.0, 0.35 * len(bars) + 3), 3.6))
-    import matplotlib as mpl
-
-    colors = mpl.colormaps["tab10"].colors
-    x = list(range(len(bars)))
-    bottom = [0.0] * len(bars)
-    for i, col in enumerate(parts):
-        gib = [v / GIB for v in bars[col].astype(float)]
-        if any(gib):
-            ax.bar(x, gib, bottom=bottom, label=col, color=colors[i % len(colors)], width=0.8)
-        bottom = [b + g for b, g in zip(bottom, gib)]
-    totals = [v / GIB for v in bars["total"].astype(float)]
-    if any(abs(t - b) > 1e-6 for t, b in zip(totals, bottom)):  # parts that do not add up to the peak
-        ax.scatter(x, totals, marker="_", s=300, color="black", zorder=3, label="total")
-    device_memory = df.attrs.get("device_memory")
-    if device_memory:
-        ax.axhline(device_memory / GIB, color="crimson", ls="--", lw=1.2,
-                   label=f"device memory {device_memory / GIB:.1f} GiB")
-    if "fits" in bars.columns:  # mark the bars that do not fit above their top
-        for xi, (top, fits) in enumerate(zip(bottom, bars["fits"])):
-            if not bool(fits):
-                ax.text(xi, top, "✗", ha="center", va="bottom", color="crimson", fontsize=11)
-    ax.set_xticks(x)
-    ax.set_xticklabels(labels, rotation=90 if len(bars) > 8 or len(df) > max_bars else 0, fontsize=8)
-    ax.set_xlabel("rank" if len(df) <= max_bars else "ranks (identical ranks grouped)")
-    ax.set_ylabel("GiB per device")
-    ax.set_title(title or f"Memory per device ({len(df)} ranks)")
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return fig
-
-
-def _bar_label(ranks: str, count: int, width: int = 18) -> str:
-    text = ranks if len(ranks) <= width else ranks[: width - 1] + "…"
-    return f"{text} (×{count})" if count > 1 else text
-
-
-def memory_png(df: pd.DataFrame, **kw: Any) -> bytes:
-    """PNG bytes of ``memory_figure(df)``."""
-    return figure_png(memory_figure(df, **kw))
-
-
 # ---- pipeline timeline -----------------------------------------------------------------------------
-def timeline_figure(df: pd.DataFrame, *, ax: Any = None, title: str | None = None) -> Figure:
-    """Gantt chart of a pipeline timeline (the DataFrame of ``rlkit.plan.schedule.pipeline_timeline``):
-    ``schedule.plot_timeline`` draws it; this puts it on a bare Figure that ``figure_png`` can export.
-
-    >>> from rlkit.plan.schedule import pipeline_timeline
-    >>> fig = timeline_figure(pipeline_timeline(pp=4, micro_batches=8))
-    >>> fig.axes[0].get_title()
-    '1f1b: pp=4, m=8; bubble 27.3%'
-    """
-    from rlkit.plan.schedule import plot_timeline
-
-    missing = [c for c in ("stage", "chunk", "micro_batch", "kind", "start", "end") if c not in df.columns]
-    if missing:
-        raise PlanError(f"timeline_figure needs the DataFrame of pipeline_timeline; missing columns {missing}")
-    fig, ax = _new_axes(ax, (10.0, 0.5 + 0.45 * df["stage"].nunique()))
-    plot_timeline(df, ax=ax)
-    if title:
-        ax.set_title(title)
-    return fig
-
-
-def timeline_png(df: pd.DataFrame, **kw: Any) -> bytes:
-    """PNG bytes of ``timeline_figure(df)``."""
-    return figure_png(timeline_figure(df, **kw))
-
-
 class TimelineView(W.VBox):
     """The pipeline timeline with controls that redraw it: schedule (gpipe / 1f1b / interleaved-1f1b)
     and a micro-batches slider. ``timeline(pp, micro_batches, schedule=, vpp=)`` makes the DataFrame
