@@ -53,13 +53,29 @@ def test_recompute_counts_its_flops():
 
 def test_calibration_on_published_runs():
     """The throughput model against measured runs (torchtitan Llama 3.1 8B on H100; Korthikanti et al.
-    2022 Table 5 on A100): mean |relative error| <= 15%, worst <= 25%."""
-    from rlkit.plan.throughput import calibration_table
+    2022 Table 5 on A100), fit rows and the held-out row kept apart.
 
-    df = calibration_table()
-    print(df[["run", "metric", "published", "predicted", "rel_err"]].to_string())
-    assert len(df) == 5
-    assert df["rel_err"].abs().mean() <= 0.15 and df["rel_err"].abs().max() <= 0.25
+    The published values (``published``) come from the papers. The asserted error is the held-out row's:
+    Korthikanti's 1T run (MFU 0.563), whose value the fitted constants never saw. Tolerance 5%: the fit
+    leaves in-sample residuals up to 1.6% on its own rows, and the 1T run lies outside them (hidden/tp 3200
+    against at most 2560; a non-interleaved PP64 pipeline with an 11% bubble against at most 4%), so about
+    3x the in-sample worst. A model that dropped the pipeline bubble (10% of that step) would miss by +10%."""
+    from rlkit.plan import throughput as tp
+
+    df = tp.calibration_table()
+    print(df[["run", "role", "metric", "published", "predicted", "rel_err"]].to_string())
+    assert len(df) == 5 and set(df.role) == {"fit", "validation"}
+    fit, held = df[df.role == "fit"], df[df.role == "validation"]
+    print(f"fit rows (in-sample): mean |err| {fit.rel_err.abs().mean():.2%}, worst {fit.rel_err.abs().max():.2%}; "
+          f"held out: mean |err| {held.rel_err.abs().mean():.2%}, worst {held.rel_err.abs().max():.2%}")
+    assert held.run.tolist() == ["Korthikanti 1T, TP8 PP64, 512 x A100"]
+    assert held.published.tolist() == [0.563]  # Korthikanti et al. 2022, Table 5
+    assert held["rel_err"].abs().max() <= 0.05
+    # the constants are what the fit rows give, and the held-out row does not move them
+    fitted = tp.fit_calibration()
+    assert fitted == {"gemm_half_n": tp.GEMM_HALF_N, **tp.GEMM_PLATEAU}
+    moved = [dict(c, published=c["published"] * (2 if c["role"] == "validation" else 1)) for c in tp.CALIBRATION]
+    assert tp.fit_calibration(moved) == fitted
     # efficiency grows with the model, as in the published runs (22B -> 1T on A100)
     mfu = df[df.metric == "achieved_mfu"]["predicted"].tolist()
     assert mfu[0] < mfu[1] < mfu[2]
