@@ -226,13 +226,20 @@ def _open_and_run_all(page, lab: Lab, notebook: Path, run_timeout_s: float = 240
     return out
 
 
-# counts, per code cell (by the text of its input), how often an output image appeared or changed its src
+# counts, per code cell (by the text of its input), how often an output image appeared or changed its src;
+# and logs each such draw with what the page showed at that moment: whether the cell was still running
+# (its prompt reads [*]) and the 'step k/N' of the cell's status line, if it has one (the live view)
 WATCH_IMAGES = """() => {
   window.__imageDraws = new Map();
+  window.__drawLog = [];
   const bump = (img) => {
     const cell = img.closest('.jp-CodeCell'); if (!cell) return;
     const code = (cell.querySelector('.jp-InputArea-editor') || {}).innerText || '';
     window.__imageDraws.set(code, (window.__imageDraws.get(code) || 0) + 1);
+    const prompt = (cell.querySelector('.jp-InputPrompt') || {}).textContent || '';
+    const m = (cell.querySelector('.jp-OutputArea') || {}).innerText?.match(/step (\\d+)\\/(\\d+)/);
+    window.__drawLog.push({code, running: prompt.includes('*'), step: m ? +m[1] : null,
+                           total: m ? +m[2] : null, src: (img.getAttribute('src') || '').length});
   };
   new MutationObserver(records => records.forEach(r => {
     if (r.type === 'attributes' && r.target.tagName === 'IMG') bump(r.target);
@@ -243,18 +250,31 @@ WATCH_IMAGES = """() => {
 }"""
 DRAWS_OF = "(needle) => [...window.__imageDraws.entries()].filter(([code]) => code.includes(needle))" \
            ".reduce((n, [, k]) => n + k, 0)"
+DRAW_LOG_OF = "(needle) => window.__drawLog.filter(d => d.code.includes(needle))" \
+              ".map(({running, step, total, src}) => ({running, step, total, src}))"
 
 
 def test_notebook_02_live_view_redraws_during_fit(lab, page):
     """The GRPO notebook run from the browser: no cell raises, and the live view's dashboard image in the
-    ``trainer.fit`` cell is drawn several times while the run goes (not once at the end)."""
+    ``trainer.fit`` cell is redrawn while the run goes, not only at the start and the end. The page logs
+    each draw as it happens, with what it showed then: the cell still running ([*]) and its status line at
+    a middle step. The first update (step 1) and ``close()`` (the last step) would not satisfy that."""
     timings = _open_and_run_all(page, lab, GRPO, run_timeout_s=420)
     draws = page.evaluate(DRAWS_OF, "trainer.fit(")
-    assert draws >= 2, f"the live view in the trainer.fit cell was drawn {draws} time(s)"
+    log = page.evaluate(DRAW_LOG_OF, "trainer.fit(")
+    total = 25  # the notebook's trainer.fit(steps=25)
+    drawn = [d for d in log if d["src"] > 0 and d["step"] is not None]  # an image with a PNG in it
+    assert drawn and all(d["total"] == total for d in drawn), log
+    # while fit still ran: draws at two or more different steps strictly between the first and the last
+    middle = sorted({d["step"] for d in drawn if d["running"] and 1 < d["step"] < total})
+    assert len(middle) >= 2, f"live view draws while fit ran, at middle steps: {middle}; all draws: {log}"
+    # what the page showed moved forward in order, and the run reached its last step
+    steps = [d["step"] for d in drawn]
+    assert steps == sorted(steps) and steps[-1] == total, steps
     fit_cell = page.locator(".jp-CodeCell").filter(has_text="trainer.fit(").first
     shot = _artifacts() / "notebook02_live_view.png"
     fit_cell.screenshot(path=str(shot))
-    print(f"\nlive view drawn {draws} times during fit; screenshot: {shot}; timings:",
+    print(f"\nlive view drawn {draws} times, at steps {middle} while fit ran; screenshot: {shot}; timings:",
           {k: round(v, 1) for k, v in timings.items()})
 
 
