@@ -16,6 +16,10 @@ from rlkit.errors import PlanError, RlkitError, WorkerError
 
 __version__ = "0.1.0"
 
+# Plan objects show themselves with views of the widgets layer, which rlkit.plan may not import: the
+# widgets package registers them with rlkit.display here, by name (ipywidgets loads on first display).
+importlib.import_module("rlkit.widgets")
+
 # public name -> module that defines it (imported on first access)
 _LAZY = {
     "ParallelPlan": "rlkit.plan",
@@ -30,6 +34,7 @@ _LAZY = {
     "algos": "rlkit.algos",
     "Cluster": "rlkit.cluster",
     "WorkerGroup": "rlkit.workers",
+    "Placement": "rlkit.workers",
     "Rollout": "rlkit.rollout",
     "rewards": "rlkit.rewards",
     "RewardModel": "rlkit.rewards",

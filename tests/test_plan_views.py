@@ -230,3 +230,22 @@ def test_plan_layer_imports_no_view_libraries():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
+
+def test_plan_layer_never_imports_a_higher_layer_or_private_names():
+    # rlkit.plan sits below everything but rlkit's bottom helpers: its views come through rlkit.display;
+    # and modules of plan/ and widgets/ use only each other's public names
+    import ast
+
+    above = ("rlkit.widgets", "rlkit.workers", "rlkit.trainer", "rlkit.cluster", "rlkit.parallel", "rlkit.rollout")
+    for path in sorted((ROOT / "rlkit" / "plan").glob("*.py")) + sorted((ROOT / "rlkit" / "widgets").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules, names = [a.name for a in node.names], []
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rlkit"):
+                modules, names = [node.module], [a.name for a in node.names]
+            else:
+                continue
+            where = f"{path.relative_to(ROOT)}:{node.lineno}"
+            if path.parent.name == "plan":
+                assert not any(m.startswith(above) for m in modules), where
+            assert not any(n.startswith("_") for n in names), where

@@ -11,6 +11,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from rlkit import display
 from rlkit.errors import PlanError
 
 if TYPE_CHECKING:
@@ -399,7 +400,7 @@ class ParallelPlan:
         return estimate_throughput(self, model, **kw)
 
 
-    # ---- views (delegates) -------------------------------------------------------------------
+    # ---- views (drawn by rlkit.widgets, found through rlkit.display: this layer never imports them) --
     def show(self, model: Any = None, dim: str = "tp", cluster: Any = None) -> Any:
         """The interactive rank grid (an ipywidgets widget): cells coloured by DP/TP/PP group, with
         coordinates, node, layers (given a model) and group members on hover and click.
@@ -408,21 +409,15 @@ class ParallelPlan:
         >>> len(view.cells)
         8
         """
-        from rlkit.widgets.plan_view import PlanView
+        return display.view(self, "widget", model=model, dim=dim, cluster=cluster)
 
-        return PlanView(self, model=model, dim=dim, cluster=cluster)
-
-    def _repr_html_(self) -> str:
+    def _repr_html_(self) -> str | None:
         # static fallback (nbconvert, GitHub, no widget frontend): an HTML grid with inline styles
-        from rlkit.widgets.plan_view import plan_html
+        return display.view(self, "html")
 
-        return plan_html(self)
-
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict:
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict | None:
         # Jupyter: the widget, with the HTML grid in the same bundle as the fallback
-        from rlkit.widgets.plan_view import plan_mimebundle
-
-        return plan_mimebundle(self)
+        return display.view(self, "mimebundle")
 
 
     # ---- cost models (delegates) -------------------------------------------------------------
