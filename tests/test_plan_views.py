@@ -164,15 +164,21 @@ def test_memory_bars_collapse_identical_ranks_and_draw_device_line():
 
 
 def test_plot_timeline_draws_every_op():
+    import matplotlib.pyplot as plt
+
     df = pipeline_timeline(4, 8, "interleaved-1f1b", vpp=2)
-    ax = plot_timeline(df)
+    ax = plot_timeline(df)  # no ax: a new pyplot figure, closed below (later tests count pyplot's figures)
     assert len(ax.patches) == len(df) and "bubble 15.8%" in ax.get_title()
+    plt.close(ax.figure)
 
 
 def test_plot_plans():
+    import matplotlib.pyplot as plt
+
     df = search_plans("qwen2.5-7b", gpus=8)
     ax = plot_plans(df)
     assert sum(len(c.get_offsets()) for c in ax.collections) == int(df.valid.sum())
+    plt.close(ax.figure)
 
 
 def test_timeline_png_and_widget_controls_redraw():
