@@ -34,6 +34,7 @@ _LAZY = {
     "algos": "rlkit.algos",
     "Cluster": "rlkit.cluster",
     "WorkerGroup": "rlkit.workers",
+    "Placement": "rlkit.workers",
     "Rollout": "rlkit.rollout",
     "rewards": "rlkit.rewards",
     "RewardModel": "rlkit.rewards",

@@ -117,18 +117,19 @@ def _train(args: argparse.Namespace) -> int:
 def _checked_train_config(cfg: dict) -> dict:
     """The Trainer's arguments from the merged flags, each checked (raises RlkitError naming the flag)."""
     import rlkit
+    from rlkit.algos import known_algorithms
     from rlkit.checks import integer
     from rlkit.errors import RlkitError
     from rlkit.hub import resolve_checkpoint
     from rlkit.models.tiny import ARCHS
-    from rlkit.trainer import ALGORITHMS, TrainerConfig
+    from rlkit.trainer import TrainerConfig
 
     tasks = {"repeat": rlkit.tasks.repeat, "arithmetic": rlkit.tasks.arithmetic,
              "chat-arithmetic": rlkit.tasks.chat_arithmetic}
     if cfg["task"] not in tasks:
         raise RlkitError(f"task={cfg['task']!r}: choose one of {sorted(tasks)}")
-    if cfg["algorithm"] not in ALGORITHMS:
-        raise RlkitError(f"algorithm={cfg['algorithm']!r}: choose one of {sorted(ALGORITHMS)}")
+    if cfg["algorithm"] not in known_algorithms():
+        raise RlkitError(f"algorithm={cfg['algorithm']!r}: choose one of {known_algorithms()}")
     integer("steps", cfg["steps"], hint="RL steps to run, e.g. --steps 20")
     integer("sft_steps", cfg.get("sft_steps") or 0, ge=0, hint="0: no supervised warm start")
     model = cfg["model"]

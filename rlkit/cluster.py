@@ -441,15 +441,21 @@ class Cluster:
             raise PlanError(f"roles refer to pool(s) {unknown} that are not in pools={sorted(pools)}; "
                             f"add them to pools or fix the role mapping")
         made: dict[str, ResourcePool] = {}
-        for pool_name, spec in pools.items():
-            users = sum(1 for p in roles.values() if p == pool_name)
-            if users == 0:
-                continue
-            if isinstance(spec, ResourcePool):
-                spec.colocate = max(spec.colocate, users)
-                made[pool_name] = spec
-            else:
-                made[pool_name] = self.placement_group_for(spec, name=pool_name, colocate=users, **placement)
+        try:
+            for pool_name, spec in pools.items():
+                users = sum(1 for p in roles.values() if p == pool_name)
+                if users == 0:
+                    continue
+                if isinstance(spec, ResourcePool):
+                    spec.colocate = max(spec.colocate, users)
+                    made[pool_name] = spec
+                else:
+                    made[pool_name] = self.placement_group_for(spec, name=pool_name, colocate=users, **placement)
+        except BaseException:  # one pool could not be reserved: give back the ones reserved for this call
+            for name, pool in made.items():
+                if not isinstance(pools[name], ResourcePool):
+                    pool.remove()
+            raise
         return {role: made[p] for role, p in roles.items()}
 
     # ---- lifecycle ---------------------------------------------------------------------------

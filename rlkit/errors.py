@@ -29,3 +29,11 @@ class WorkerError(RlkitError, RuntimeError):
         if remote_traceback:
             full += "\n--- remote traceback ---\n" + remote_traceback.rstrip()
         super().__init__(full)
+
+
+class TrainerError(RlkitError, ValueError):
+    """A trainer input that cannot work (dataset, reward, sizes); the message names the value and the fix."""
+
+
+class RewardError(TrainerError):
+    """A reward function that raised or returned something other than one number per completion."""

@@ -9,9 +9,10 @@ import pytest
 from transformers import AutoTokenizer
 
 import rlkit
+from rlkit.inputs import render_chats
 from rlkit.models import tiny_lm
 from rlkit.tasks import ChatArithmetic, last_number
-from rlkit.trainer import TrainerError, _render_chats
+from rlkit.trainer import TrainerError
 
 
 def test_chat_rows_are_messages_split_by_question_and_deterministic():
@@ -47,7 +48,7 @@ def _tiny_tokenizer():
 def test_render_uses_the_models_template_and_opens_the_assistant_turn():
     tok = _tiny_tokenizer()
     rows = [{"prompt": [{"role": "user", "content": "What is 1 + 2?"}], "answer": "3"}, {"prompt": "1+2=", "answer": "3"}]
-    out = _render_chats(rows, tok, "tiny")
+    out = render_chats(rows, tok, "tiny")
     assert out[0]["prompt"] == "<|im_start|>user\nWhat is 1 + 2?<|im_end|>\n<|im_start|>assistant\n"
     assert out[1] == rows[1] and out[0]["answer"] == "3"
     assert rows[0]["prompt"][0]["role"] == "user"  # the caller's rows are not changed
@@ -61,7 +62,7 @@ def test_render_keeps_one_bos_when_the_tokenizer_adds_its_own():
     tok._tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.bos_token_id)])
     tok.chat_template = "{{ bos_token }}" + tok.chat_template
     assert tok("x")["input_ids"][0] == tok.bos_token_id  # this tokenizer adds BOS by itself
-    text = _render_chats([{"prompt": [{"role": "user", "content": "hi"}]}], tok, "tiny")[0]["prompt"]
+    text = render_chats([{"prompt": [{"role": "user", "content": "hi"}]}], tok, "tiny")[0]["prompt"]
     ids = tok(text)["input_ids"]
     assert ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id
 
@@ -70,7 +71,7 @@ def test_smollm2_chat_prompt_renders_with_its_system_prompt():
     """The real model's template adds its default system prompt; digits are single tokens."""
     tok = AutoTokenizer.from_pretrained(rlkit.models.pretrained("smollm2-135m-instruct"))
     row = ChatArithmetic()(n=1, seed=0)[0]
-    text = _render_chats([row], tok, "smollm2")[0]["prompt"]
+    text = render_chats([row], tok, "smollm2")[0]["prompt"]
     assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert text.endswith(f"<|im_start|>user\n{row['question']}<|im_end|>\n<|im_start|>assistant\n")
     assert tok(text)["input_ids"].count(tok.convert_tokens_to_ids("<|im_start|>")) == 3

@@ -67,8 +67,8 @@ def test_trainer_rejects_bad_layouts_before_any_worker_starts(tmp_path):
 
 
 # ---- resharding and generation on real process groups ----------------------------------------------
-def _run(nprocs, plans, tmp_path):
-    res = launch(nprocs, ["--plans", *plans], tmp_path, module="rlkit.workers.hybrid_check", timeout=600)
+def _run(nprocs, plans, tmp_path, *extra):
+    res = launch(nprocs, ["--plans", *plans, *extra], tmp_path, module="rlkit.workers.hybrid_check", timeout=600)
     assert res.returncodes == [0] * nprocs and res.report is not None, res.log()
     return [r for run in res.report["runs"] for r in run["rows"]]
 
@@ -115,6 +115,33 @@ def test_3d_dp2_tp2_pp2_megatron_and_fsdp_layouts(tmp_path):
     # gather of each rank's TP shard: received = M/t_g - M/(tp*pp*dp), held = M/t_g + M/(tp*pp*dp)
     plans = ["2x2x2:replicate", "2x2x2:full_shard"]
     _check(_run(8, plans, tmp_path), plans, 8)
+
+
+def test_tied_embeddings_reshard_exactly_as_counted_and_generate_the_single_engine_tokens(tmp_path):
+    # one vocab matrix serves both ends: under pp=2 the first stage reshards it, the last stage's copy stays
+    # training-only; HybridFlow's closed form does not hold, the per-tensor count must, to the byte
+    plans = ["1x2x2", "2x1x2:full_shard"]
+    rows = _run(4, plans, tmp_path, "--tied")
+    assert len(rows) == sum(len(valid_generation_tp(_plan(p))) for p in plans) * 4
+    for r in rows:
+        where = f"tied {r['plan']} t_g={r['t_g']} rank {r['rank']}"
+        assert r["shard_err"] == 0.0 and r["restore_err"] == 0.0, where
+        dp, tp, pp = r["dims"]
+        est = estimate_resharding(ParallelPlan(dp=dp, tp=tp, pp=pp, dp_shard=r["dp_shard"]), r["model_path"],
+                                  r["t_g"]).set_index("rank").loc[r["rank"]]
+        assert (r["bytes"], r["param_bytes"]) == (est["received_bytes"], est["generation_param_bytes"]), where
+        assert r["greedy_prompts_here"] > 0 and r["sampled_prompts_here"] > 0, where
+        if "greedy_same_tokens" in r or "sampled_same_tokens" in r:  # this rank collected its replica
+            assert r["greedy_same_tokens"] and r["sampled_same_tokens"], where
+            assert r["greedy_max_dlogprob"] < 1e-5 and r["sampled_max_dlogprob"] < 1e-5, where
+    collected = [r for r in rows if "greedy_same_tokens" in r]
+    assert len(collected) == sum(_plan(p).dp * len(valid_generation_tp(_plan(p))) for p in plans), collected
+
+
+def _plan(name: str) -> ParallelPlan:
+    dims, _, shard = name.partition(":")
+    dp, tp, pp = (int(x) for x in dims.split("x"))
+    return ParallelPlan(dp=dp, tp=tp, pp=pp, dp_shard=shard or "full_shard")
 
 
 # ---- the Trainer: all ranks generate; a GRPO run reproduces the single-engine one ---------------------

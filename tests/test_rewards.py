@@ -1,6 +1,5 @@
 """RewardModel: batched scores equal a plain HF forward of each text alone, on a real tiny model."""
 
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -8,8 +7,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import rlkit
 from rlkit.models import tiny_config
-from rlkit.rewards import RewardModel, tiny_reward_model
-from rlkit.trainer import Trainer, _reward_fns
+from rlkit.rewards import RewardFunctions, RewardModel, tiny_reward_model
 
 # different lengths, so batches of these need padding
 PROMPTS = ["aaa", "12+30=", "bbb", "what is the answer ?", "c", "the quick brown fox"]
@@ -128,11 +126,10 @@ def test_bad_inputs_name_the_value(path, rm):
 
 
 def test_trainer_style_weighted_sum(rm):
-    """As Trainer._score calls a list of (f, weight): 0.5 * reward model + 1.0 * the repeat task."""
-    fns = _reward_fns([(rm, 0.5), (rlkit.tasks.repeat.reward, 1.0)], task=None)
+    """As the Trainer's reward step scores a list of (f, weight): 0.5 * reward model + 1.0 * the repeat task."""
+    fns = RewardFunctions.of([(rm, 0.5), (rlkit.tasks.repeat.reward, 1.0)], task=None)
     prompts, completions = ["aaa", "bbb", "ccc"], ["aaaaaaaa", "bb<|endoftext|>", None]
-    gen = {"columns": {"prompt": prompts, "letter": ["a", "b", "c"]}, "completion": completions}
-    total = Trainer._score(SimpleNamespace(reward_fns=fns), gen)
+    total = fns.score({"prompt": prompts, "letter": ["a", "b", "c"]}, completions)
     rm_scores = rm(prompts, completions)
     task_scores = rlkit.tasks.repeat.reward(prompts, completions, letter=["a", "b", "c"])
     assert task_scores == [0.5, 0.125, 0.0]

@@ -39,11 +39,12 @@ def test_grpo_dp2_learns_syncs_exactly_resumes_and_reports_bad_rewards(tmp_path)
         assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 40
         assert (tmp_path / "run" / "reward.png").exists()
 
-        # HybridEngine sync: after the last update the engine generates with the actor's weights, so
-        # its sampled-token log-probs equal the actor's recomputed ones.
-        gen = tr._generate(tr._next_prompts(), seed=123)
+        # HybridEngine sync: once synced, the engine generates with the actor's weights, so its
+        # sampled-token log-probs equal the actor's recomputed ones.
+        tr.workers.sync_weights()
+        gen = tr.workers.generate(tr._next_prompts(), seed=123, policy_version=tr.step)
         batch = {k: gen[k] for k in ("input_ids", "attention_mask", "response_mask")}
-        actor = tr.group.call_dp("compute", batch, "actor")["logprobs"]
+        actor = tr.group.call_dp("actor_logprobs", batch)["logprobs"]
         mask = gen["response_mask"].bool()
         diff = (actor - gen["rollout_logprobs"])[mask].abs().max().item()
         assert diff < 1e-4, diff
@@ -57,13 +58,13 @@ def test_grpo_dp2_learns_syncs_exactly_resumes_and_reports_bad_rewards(tmp_path)
         def boom(prompts, completions, **kw):
             raise KeyError("no_such_column")
 
-        tr.reward_fns = [(boom, 1.0)]
+        tr.rewards.fns = [(boom, 1.0)]
         with pytest.raises(RewardError, match="reward function .*boom raised KeyError"):
             tr.train_step()
-        tr.reward_fns = [(lambda p, c, **kw: [1.0], 1.0)]
+        tr.rewards.fns = [(lambda p, c, **kw: [1.0], 1.0)]
         with pytest.raises(RewardError, match="returned 1 values for 64 completions"):
             tr.train_step()
-        tr.reward_fns = [(lambda p, c, **kw: [math.nan] * 8 + [1.0] * 56, 1.0)]
+        tr.rewards.fns = [(lambda p, c, **kw: [math.nan] * 8 + [1.0] * 56, 1.0)]
         row = tr.train_step()
         assert row["reward/skipped"] == 8 and row["reward/mean"] == 1.0
     finally:
@@ -108,19 +109,19 @@ def test_dp1_and_dp2_give_the_same_update_on_the_same_batch(tmp_path):
     """Same seed and batch: the loss and the resulting weights agree across layouts."""
     one = _trainer(tmp_path, rlkit.ParallelPlan(dp=1), steps_dir="a")
     try:
-        gen = one._generate(one._next_prompts(), seed=7)
-        scores = one._score(gen)
+        gen = one.workers.generate(one._next_prompts(), seed=7, policy_version=0)
+        scores = one.rewards.score(gen["columns"], gen["completion"])
         batch = {k: gen[k] for k in ("input_ids", "attention_mask", "response_mask")}
-        one._advantages(batch, scores, gen["uid"])
-        cfg = one.update_config()
+        one._advantages(batch, scores, gen, None)
+        cfg = one.update_settings()
         loss1 = one.group.call_dp("update_actor", batch, cfg)
-        after1 = one.group.call_dp("compute", batch, "actor")["logprobs"]
+        after1 = one.group.call_dp("actor_logprobs", batch)["logprobs"]
     finally:
         one.close()
     two = _trainer(tmp_path, rlkit.ParallelPlan(dp=2), steps_dir="b")
     try:
         loss2 = two.group.call_dp("update_actor", batch, cfg)
-        after2 = two.group.call_dp("compute", batch, "actor")["logprobs"]
+        after2 = two.group.call_dp("actor_logprobs", batch)["logprobs"]
     finally:
         two.close()
     l1 = loss1[0]["actor/loss"] if isinstance(loss1, list) else loss1["actor/loss"]
@@ -140,14 +141,14 @@ def test_bf16_mixed_update_tracks_fp32_on_the_same_batch(tmp_path):
         tr = _trainer(tmp_path, rlkit.ParallelPlan(), steps_dir=precision, precision=precision)
         try:
             if batch is None:
-                gen = tr._generate(tr._next_prompts(), seed=7)
+                gen = tr.workers.generate(tr._next_prompts(), seed=7, policy_version=0)
                 batch = {k: gen[k] for k in ("input_ids", "attention_mask", "response_mask")}
-                tr._advantages(batch, tr._score(gen), gen["uid"])
-                cfg = tr.update_config()
-            before = tr.group.call_dp("compute", batch, "actor")["logprobs"]
+                tr._advantages(batch, tr.rewards.score(gen["columns"], gen["completion"]), gen, None)
+                cfg = tr.update_settings()
+            before = tr.group.call_dp("actor_logprobs", batch)["logprobs"]
             stats = tr.group.call_dp("update_actor", batch, cfg)
             stats = stats[0] if isinstance(stats, list) else stats
-            after = tr.group.call_dp("compute", batch, "actor")["logprobs"]
+            after = tr.group.call_dp("actor_logprobs", batch)["logprobs"]
             dtypes = tr.group.apply(lambda w: sorted({str(t.dtype) for t in (
                 *w.actor.params, *(p.grad for p in w.actor.params if p.grad is not None),
                 *(v for st in w.actor.optimizer.state.values() for v in st.values() if v.dim()))}))[0]
@@ -206,7 +207,7 @@ def test_split_placement_matches_colocated(tmp_path):
     runs = {}
     for placement in ("colocated", "split"):
         tr = _trainer(tmp_path, rlkit.ParallelPlan(dp=2), steps_dir=placement, placement=placement,
-                      rollout_workers=2)
+                      rollout_workers=2 if placement == "split" else 1)
         try:
             runs[placement] = tr.fit(steps=3, view="none")
             if placement == "split":

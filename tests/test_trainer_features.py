@@ -11,6 +11,7 @@ from a plain transformers model loaded with the actor's gathered weights, one un
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from types import SimpleNamespace
@@ -94,10 +95,11 @@ class Spy:
         self.tr, self.orig, self.records = tr, tr._advantages, []
         tr._advantages = self
 
-    def __call__(self, batch, scores, uids):
+    def __call__(self, batch, scores, gen, sampling_logprobs):
+        uids = gen["uid"]
         rec = {"step": self.tr.step + 1, "weights": self.tr.group.call("full_weights")[0],
                "coef_before": self.tr.kl_ctl.value}
-        kl = self.orig(batch, scores, uids)
+        kl = self.orig(batch, scores, gen, sampling_logprobs)
         rec.update(batch={k: v.clone() for k, v in batch.items() if torch.is_tensor(v)}, scores=scores.clone(),
                    uids=list(uids), kl=kl, coef_after=self.tr.kl_ctl.value)
         self.records.append(rec)
@@ -145,7 +147,7 @@ def run_b(ray_make_cluster, tmp_path_factory):
     given, shaped, cb = Given(), Shaped(), Callback()
     tr = _trainer(ray_make_cluster(), tmp_path_factory, "b", [dict(r) for r in ROWS], [(given, W_GIVEN), (shaped, W_SHAPED)], [cb],
                   kl_coef=KL_B, kl_in_reward=True, kl_target=TARGET_B, lr_warmup_steps=WARMUP,
-                  lr_schedule="cosine")
+                  lr_schedule="cosine", total_steps=5)
     yield from _fitted(tr, 5, cb=cb, given=given, shaped=shaped)
 
 
@@ -203,13 +205,13 @@ def test_ppo_epochs_and_minibatches_match_a_hand_clipped_objective(run_a, tmp_pa
     optimizer step at a time, reading the actor's log-probs between steps. The step's metrics are the
     averages of the clipped PPO objective, clip fraction, ratio and KL terms computed by hand from them."""
     tr, spy = run_a.tr, run_a.spy
-    cfg = tr.update_config()
+    cfg = tr.update_settings()
     before = tr.save(tmp_path / "before")
     row = tr.train_step()
     rec = spy.at(row["step"])
     b = rec["batch"]
     mask, old, ref, adv = b["response_mask"], b["old_logprobs"], b["ref_logprobs"], b["advantages"]
-    assert row["actor/lr"] == cfg["lr"] and cfg["epochs"] == 2 and cfg["minibatches"] == 2
+    assert row["actor/lr"] == cfg.lr and cfg.epochs == 2 and cfg.minibatches == 2
     # GRPO advantages: (score - group mean) / (unbiased group std + 1e-6) over each prompt's n samples
     assert (adv - _grpo_by_hand(rec["scores"], rec["uids"], mask)).abs().max().item() < 1e-4
     assert adv.abs().max().item() > 0.5
@@ -217,16 +219,16 @@ def test_ppo_epochs_and_minibatches_match_a_hand_clipped_objective(run_a, tmp_pa
     # replay: W0 -mb0-> W1 -mb1-> W2 -mb0-> W3 (-mb1-> W4), log-probs of the whole batch at W0..W3
     tr.group.call("load", before)
     halves = [slice(0, len(mask) // 2), slice(len(mask) // 2, len(mask))]
-    single = dict(cfg, epochs=1, minibatches=1)
-    out = tr.group.call_dp("compute", b, "actor")
+    single = dataclasses.replace(cfg, epochs=1, minibatches=1)
+    out = tr.group.call_dp("actor_logprobs", b)
     lps, ents, replayed = [out["logprobs"]], [out["entropy"]], []
     assert (lps[0] - old)[mask.bool()].abs().max().item() < 1e-6  # rewound to pi_old exactly
     for j in (0, 1, 0):
         replayed.append(_one(tr.group.call_dp("update_actor", {k: v[halves[j]] for k, v in b.items()}, single)))
-        out = tr.group.call_dp("compute", b, "actor")
+        out = tr.group.call_dp("actor_logprobs", b)
         lps.append(out["logprobs"])
         ents.append(out["entropy"])
-    tr._sync_weights()  # leave the engine on the actor's weights for the other tests
+    tr.workers.sync_weights()  # leave the engine on the actor's weights for the other tests
 
     def by_hand(lp, ent, mb):
         m = mask[mb].bool()
@@ -270,7 +272,7 @@ def _kl_k3_by_hand(rec, path, P):
 
 def test_kl_loss_metric_equals_low_var_kl_by_hand_and_is_zero_at_step_one(run_a):
     tr, spy, df = run_a.tr, run_a.spy, run_a.df
-    P = tr.prompt_len
+    P = tr.layout.prompt_len
     kls = df["kl"].tolist()
     assert abs(kls[0]) < 1e-6, kls  # the actor starts as the reference
     for step in (1, 3):  # epochs > 1: the trainer reports KL(pi_old || ref) from the kept old log-probs
@@ -298,7 +300,7 @@ def test_kl_loss_metric_equals_low_var_kl_by_hand_and_is_zero_at_step_one(run_a)
 # ---- 3. KL in the reward, adaptive coefficient ------------------------------------------------------------
 def test_kl_in_reward_with_target_moves_the_coefficient_by_zieglers_rule(run_b):
     tr, spy, df, cb = run_b.tr, run_b.spy, run_b.df, run_b.cb
-    P, batch_n = tr.prompt_len, PROMPTS * N
+    P, batch_n = tr.layout.prompt_len, PROMPTS * N
     coefs = [KL_B] + [c["coef"] for c in cb.calls]
     went_up = 0
     for step in range(1, 6):
@@ -398,8 +400,8 @@ def test_callbacks_get_each_row_once_in_order_and_samples_keep_the_last_rows(run
     assert everything.equals(tr.samples(last=S)) and tr.samples(last=1).equals(everything.tail(per))
 
     # a reward of None skips the sample: samples() shows NaN for it (not a 0 that reward/mean left out)
-    saved = tr.reward_fns, tr.config.keep_samples
-    tr.reward_fns = [(lambda prompts, completions, **kw: [None] * 3 + [0.5] * (len(prompts) - 3), 1.0)]
+    saved = tr.rewards.fns, tr.config.keep_samples
+    tr.rewards.fns = [(lambda prompts, completions, **kw: [None] * 3 + [0.5] * (len(prompts) - 3), 1.0)]
     try:
         row = tr.train_step()
         got = tr.samples(last=1).reward.tolist()
@@ -409,13 +411,13 @@ def test_callbacks_get_each_row_once_in_order_and_samples_keep_the_last_rows(run
         tr.train_step()
         assert tr.samples().empty and tr.samples(last=1).empty
     finally:
-        tr.reward_fns, tr.config.keep_samples = saved
+        tr.rewards.fns, tr.config.keep_samples = saved
 
 
 # ---- 5. LR: warm-up, constant, cosine --------------------------------------------------------------------
 def _lr_by_hand(step0, total, schedule):
     """Linear warm-up to LR over WARMUP steps (the first at LR / WARMUP), then constant or cosine to 10%
-    over the rest of fit's steps."""
+    over the rest of the run's total_steps."""
     if step0 < WARMUP:
         return LR * (step0 + 1) / WARMUP
     if schedule == "constant":

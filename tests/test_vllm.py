@@ -115,9 +115,10 @@ def test_grpo_with_vllm_engine_learns_and_syncs(tmp_path):
         rewards = tr.metrics["reward/mean"].tolist()
         first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
         assert last > first + 0.04, rewards  # measured with the HF engine: 0.033 -> 0.17
-        gen = tr._generate(tr._next_prompts(), seed=123)
+        tr.workers.sync_weights()
+        gen = tr.workers.generate(tr._next_prompts(), seed=123, policy_version=tr.step)
         batch = {k: gen[k] for k in ("input_ids", "attention_mask", "response_mask")}
-        actor = tr.group.call_dp("compute", batch, "actor")["logprobs"]
+        actor = tr.group.call_dp("actor_logprobs", batch)["logprobs"]
         diff = (actor - gen["rollout_logprobs"])[gen["response_mask"].bool()].abs().max().item()
         print(f"vLLM rollout vs actor recompute after sync: max |dlogp| = {diff:.2e}")
         assert diff < 1e-3, diff
@@ -129,12 +130,12 @@ def test_vllm_on_the_real_model_matches_hf_before_and_after_a_weight_sync():
     """SmolLM2-135M-Instruct (30 layers, 9 heads / 3 KV heads, vocab 49,152, tied embeddings) on chat
     prompts: vLLM's sampled-token log-probs against an fp32 HF forward of the same weights, then again
     after streaming perturbed weights in (what the trainer's sync does after a step)."""
+    from rlkit.inputs import render_chats
     from rlkit.rollout import VLLMEngine
-    from rlkit.trainer import _render_chats
 
     path = rlkit.models.pretrained("smollm2-135m-instruct")
     model, tok = load(path)
-    rows = _render_chats(rlkit.tasks.ChatArithmetic(digits=1)(n=4, seed=0, split="test"), tok, path)
+    rows = render_chats(rlkit.tasks.ChatArithmetic(digits=1)(n=4, seed=0, split="test"), tok, path)
     prompts = [r["prompt"] for r in rows]
     eng = VLLMEngine(path, n=2, max_new_tokens=12, dtype="float32", kv_cache_gb=1, seed=0)
     try:
@@ -171,9 +172,10 @@ def test_vllm_engine_on_every_rank_in_the_generation_layout(tmp_path):
         model_bytes = rlkit.plan.as_spec(tr.model_path).num_params * 4
         half = model_bytes / 2  # tp=2 -> t_g=1: each rank receives the half it lacks, (2 - 1) / 2 * M
         assert (abs(tr.metrics["sync/bytes"] - half) <= 0.05 * half).all(), tr.metrics["sync/bytes"]
-        gen = tr._generate(tr._next_prompts(), seed=123)
+        tr.workers.sync_weights()
+        gen = tr.workers.generate(tr._next_prompts(), seed=123, policy_version=tr.step)
         batch = {k: gen[k] for k in ("input_ids", "attention_mask", "response_mask")}
-        actor = tr.group.call_dp("compute", batch, "actor")["logprobs"]
+        actor = tr.group.call_dp("actor_logprobs", batch)["logprobs"]
         diff = (actor - gen["rollout_logprobs"])[gen["response_mask"].bool()].abs().max().item()
         print(f"vLLM engines in the generation layout vs actor recompute after {steps} updates: max |dlogp| = {diff:.2e}")
         assert diff < 1e-3, diff

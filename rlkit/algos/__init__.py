@@ -39,6 +39,7 @@ from rlkit.algos.registry import (
     Needs,
     call_policy_loss,
     compute_advantages,
+    estimator_options,
     get_advantage,
     get_algorithm,
     get_policy_loss,
@@ -56,7 +57,7 @@ for _name, _estimator in (("grpo", "grpo"), ("drgrpo", "drgrpo"), ("rloo", "rloo
 __all__ = [
     "ADVANTAGES", "AGG_MODES", "ALGORITHMS", "KL_KINDS", "POLICY_LOSSES", "Algorithm", "Needs",
     "register_advantage", "get_advantage", "compute_advantages", "register_policy_loss", "get_policy_loss",
-    "call_policy_loss", "register_algorithm", "get_algorithm", "known_algorithms",
+    "call_policy_loss", "estimator_options", "register_algorithm", "get_algorithm", "known_algorithms",
     "gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
     "aggregate", "policy_loss", "value_loss", "entropy_from_logprobs", "entropy_bonus",
     "kl_penalty", "kl_loss", "apply_kl_penalty", "FixedKLController", "AdaptiveKLController",

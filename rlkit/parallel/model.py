@@ -21,9 +21,7 @@ from __future__ import annotations
 import copy
 import os
 import random
-import shutil
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from rlkit import atomic
 from rlkit.checks import choice
 from rlkit.errors import PlanError
 from rlkit.parallel.apply import apply_ac, apply_fsdp, apply_tp
@@ -435,13 +434,13 @@ class ParallelModel:
     def save(self, path: str | os.PathLike) -> str:
         """Save model + optimizer (sharded, torch.distributed.checkpoint) + step + RNG of every rank.
 
-        Written to ``<path>.tmp-<id>`` and renamed into place once every rank finished, so a crash
-        never leaves a half-written ``path`` (multi-node: needs a shared filesystem)."""
+        Written to a temp folder beside ``path`` and renamed into place (``rlkit.atomic``) once every rank
+        finished, so a crash never leaves a half-written ``path`` (multi-node: needs a shared filesystem)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         path = Path(path)
-        box = [f"{path}.tmp-{uuid.uuid4().hex[:8]}" if self.rank == 0 else None]
+        box = [str(atomic.temp_path(path)) if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         tmp = Path(box[0])
         msd, osd = get_state_dict(self._root(), self.optimizer)
@@ -451,11 +450,7 @@ class ParallelModel:
                    tmp / f"extra_rank{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
-            old = Path(f"{path}.old-{uuid.uuid4().hex[:8]}")
-            if path.exists():
-                os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
+            atomic.move_into_place(tmp, path)
         dist.barrier()
         return str(path)
 

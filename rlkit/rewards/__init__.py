@@ -1,4 +1,4 @@
-"""Reward functions beyond the toy tasks' rules: a learned reward model.
+"""Rewards: the reward step's weighted functions (``RewardFunctions``), and a learned reward model.
 
 Every reward here has TRL's batched signature ``f(prompts, completions, **columns) -> list[float]``;
 ``Trainer(reward=[(f, weight), ...])`` sums several.
@@ -10,6 +10,7 @@ Every reward here has TRL's batched signature ``f(prompts, completions, **column
 1
 """
 
+from rlkit.rewards.functions import RewardFunctions
 from rlkit.rewards.model import RewardModel, RewardModelError, tiny_reward_model
 
-__all__ = ["RewardModel", "RewardModelError", "tiny_reward_model"]
+__all__ = ["RewardFunctions", "RewardModel", "RewardModelError", "tiny_reward_model"]

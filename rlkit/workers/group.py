@@ -1,16 +1,9 @@
 """WorkerGroup: one Ray actor per rank of a plan, joined in a torch.distributed process group.
 
-The driver (your notebook) is the single controller: it calls methods on the group, and the
-dispatch mode says who runs them and how results come back:
-
-    call(m, ...)        every rank; a list of results in rank order
-    call_rank0(m, ...)  rank 0 only; its result
-    call_dp(m, batch)   the batch split by DP rank (TP and PP ranks of a DP group get the same chunk);
-                        results from the last pipeline stage's tp=0 rank of each DP group, joined in DP
-                        order, padding removed
-    apply(fn, ...)      fn(worker, ...) on every rank (handy in notebooks)
-
-Each has an ``*_async`` variant returning a ``GroupFuture``. Every wait has a timeout. A worker
+The driver (your notebook) is the single controller: it calls methods on the group with the dispatch
+modes of ``rlkit.workers.base`` (``call``, ``call_rank0``, ``call_dp``, ``apply``), which say who runs
+them and how results come back. Each has an ``*_async`` variant returning a ``GroupFuture``. Every wait
+has a timeout. A worker
 exception arrives as ``rlkit.WorkerError`` (rank, node, remote traceback); a dead worker tears the
 group down (the others would hang in their next collective) and the cluster stays usable.
 """
@@ -28,14 +21,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from rlkit.errors import PlanError, WorkerError
-from rlkit.workers.batch import (
-    batch_size,
-    concat_batches,
-    is_batch_like,
-    pad_batch,
-    split_batch,
-    truncate_batch,
-)
+from rlkit.workers.base import BaseWorkerGroup, bound_method, join_dp_results, method_name
+from rlkit.workers.batch import batch_size, pad_batch, split_batch
 
 if TYPE_CHECKING:
     from rlkit.cluster import Cluster, ResourcePool
@@ -47,16 +34,6 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # Every rank's env unless the caller sets these: no progress bars (HF "Loading weights", tqdm) flooding the
 # notebook / terminal once per rank. Warnings and errors still come through (and tracebacks reach WorkerError).
 QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
-
-
-def join_dp_results(parts: list, padded_size: int, n: int) -> Any:
-    """``call_dp``'s result from one value per DP rank: per-sample results (one row per row of the
-    rank's chunk of a ``padded_size`` batch) joined in DP order and cut back to the ``n`` real rows;
-    anything else (a scalar loss, a dict of stats) as the list of the ranks' values."""
-    per_dp = padded_size // len(parts)
-    if all(is_batch_like(p) and batch_size(p) == per_dp for p in parts):
-        return truncate_batch(concat_batches(parts), n)
-    return parts
 
 
 class WorkerTimeoutError(WorkerError, TimeoutError):
@@ -105,12 +82,8 @@ class _RankWorker:
         self.obj = worker_cls(*args, **kwargs)
         return {"import_s": t_import, "process_group_s": t_pg, "construct_s": time.perf_counter() - t0 - t_import - t_pg}
 
-    def call(self, method_name: str, *args: Any, **kwargs: Any) -> Any:
-        fn = getattr(self.obj, method_name, None)
-        if fn is None or not callable(fn):
-            raise AttributeError(f"{type(self.obj).__name__} has no method {method_name!r}; "
-                                 f"methods: {[m for m in dir(self.obj) if not m.startswith('_')]}")
-        return fn(*args, **kwargs)
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        return bound_method(self.obj, name)(*args, **kwargs)
 
     def apply(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         return fn(self.obj, *args, **kwargs)
@@ -148,7 +121,7 @@ def _quiet_progress_bars() -> None:
             pass
 
 
-def _ship_by_value(obj: Any) -> None:
+def ship_by_value(obj: Any) -> None:
     """Send the code of ``obj``'s module with it when workers may not be able to import it.
 
     Ray pickles classes by reference (module + name). That fails for modules that live only next to
@@ -206,7 +179,7 @@ class GroupFuture:
         return f"GroupFuture({self.what}, {len(self.refs)} rank(s), done={self.done()})"
 
 
-class WorkerGroup:
+class WorkerGroup(BaseWorkerGroup):
     """One Ray actor per rank of ``plan``, in a process group, each hosting ``worker_cls(*args, **kwargs)``.
 
     Each actor gets the env a process group needs (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
@@ -221,6 +194,8 @@ class WorkerGroup:
         plan: a ``ParallelPlan`` or a world size (then every rank is its own DP rank).
         worker_cls: the per-rank class; must be importable or picklable (notebook classes are fine).
         pool: a ``ResourcePool`` to place ranks on (shared by colocated roles); default: a new one.
+        owns_pool: remove ``pool`` when this group shuts down (a pool reserved for this group alone, e.g.
+            by ``Cluster.role_pools`` for a Trainer's role). A pool the group makes itself is always removed.
         timeout_s: default bound on every wait (spawn and calls), in seconds.
         dist_timeout_s: torch.distributed timeout: how long a collective waits for a missing peer.
         env: extra environment variables for every rank.
@@ -244,7 +219,8 @@ class WorkerGroup:
                  pool: ResourcePool | None = None, timeout_s: float = 300, dist_timeout_s: float = 300,
                  env: dict[str, str] | None = None, init_process_group: bool = True,
                  backend: str | None = None, name: str | None = None, cpus_per_worker: float | None = None,
-                 placement_timeout_s: float | None = None, owner: Any = None, **kwargs: Any) -> None:
+                 placement_timeout_s: float | None = None, owner: Any = None, owns_pool: bool = False,
+                 **kwargs: Any) -> None:
         import ray
 
         from rlkit.plan.topology import ParallelPlan
@@ -268,14 +244,14 @@ class WorkerGroup:
             if pool.world_size != self.world_size:
                 raise PlanError(f"pool {pool.name!r} has {pool.world_size} ranks but the plan needs "
                                 f"{self.world_size}; make the pool from the same plan")
-            self._owns_pool = False
+            self._owns_pool = owns_pool
         pool._claim()
         self.pool = pool
         self.timings["reserve_s"] = time.perf_counter() - t0
         cluster._groups.append(self)
 
         try:
-            _ship_by_value(worker_cls)
+            ship_by_value(worker_cls)
             actor = _actor_cls()
             user_env = {**QUIET_ENV, **{k: str(v) for k, v in (env or {}).items()}}
             self.actors = [actor.options(**pool.actor_options(r), name=None).remote(r, self.world_size, user_env)
@@ -308,33 +284,29 @@ class WorkerGroup:
             self.shutdown(polite=False)
             raise
 
-    # ---- dispatch ----------------------------------------------------------------------------
-    def _check_usable(self) -> None:
-        if self._broken:
-            raise WorkerError(f"this group was torn down: {self._broken}; make a new WorkerGroup")
-        if self._closed:
-            raise WorkerError("this group was shut down; make a new WorkerGroup")
+    # ---- dispatch (the protocol of rlkit.workers.base) ---------------------------------------------
+    def _where(self) -> str:
+        return ""
 
-    def call_async(self, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
+    def ship_code(self, obj: Any) -> None:
+        """``obj``'s module travels by value when the worker processes may not import it."""
+        ship_by_value(obj)
+
+    def call_async(self, method: str | Callable, *args: Any, **kwargs: Any) -> GroupFuture:
         """``method(*args, **kwargs)`` on every rank; the future gives a list in rank order."""
         self._check_usable()
-        refs = [a.call.remote(method, *args, **kwargs) for a in self.actors]
-        return GroupFuture(self, method, refs, list(range(self.world_size)), lambda values: values)
+        name = method_name(method)
+        refs = [a.call.remote(name, *args, **kwargs) for a in self.actors]
+        return GroupFuture(self, name, refs, list(range(self.world_size)), lambda values: values)
 
-    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
-        """``method`` on every rank; results in rank order."""
-        return self.call_async(method, *args, **kwargs).result(timeout)
-
-    def call_rank0_async(self, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
+    def call_rank0_async(self, method: str | Callable, *args: Any, **kwargs: Any) -> GroupFuture:
         """``method`` on rank 0 only (the others are not called: no collectives inside it)."""
         self._check_usable()
-        return GroupFuture(self, method, [self.actors[0].call.remote(method, *args, **kwargs)], [0],
+        name = method_name(method)
+        return GroupFuture(self, name, [self.actors[0].call.remote(name, *args, **kwargs)], [0],
                            lambda values: values[0])
 
-    def call_rank0(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
-        return self.call_rank0_async(method, *args, **kwargs).result(timeout)
-
-    def call_dp_async(self, method: str, batch: Any, *args: Any, **kwargs: Any) -> GroupFuture:
+    def call_dp_async(self, method: str | Callable, batch: Any, *args: Any, **kwargs: Any) -> GroupFuture:
         """Split ``batch`` by DP rank and call ``method(chunk, *args, **kwargs)`` on every rank.
 
         A batch whose size does not divide by dp is padded by repeating its last row; per-sample
@@ -346,6 +318,7 @@ class WorkerGroup:
         import ray
 
         self._check_usable()
+        name = method_name(method)
         plan = self.plan
         padded, n = pad_batch(batch, plan.dp)
         chunks = split_batch(padded, plan.dp)
@@ -353,26 +326,19 @@ class WorkerGroup:
             chunks = [ray.put(c) for c in chunks]
         # else each chunk has one reader: passed as the argument (Ray stores a large one itself), which
         # saves a put and a lookup per call (~2 ms each on a small batch)
-        refs = [a.call.remote(method, chunks[plan.coords(r)["dp"]], *args, **kwargs)
+        refs = [a.call.remote(name, chunks[plan.coords(r)["dp"]], *args, **kwargs)
                 for r, a in enumerate(self.actors)]
         collect = [plan.rank(dp=d, tp=0, pp=plan.pp - 1) for d in range(plan.dp)]
 
         total = batch_size(padded)
-        return GroupFuture(self, method, refs, list(range(self.world_size)),
+        return GroupFuture(self, name, refs, list(range(self.world_size)),
                            lambda values: join_dp_results([values[r] for r in collect], total, n))
-
-    def call_dp(self, method: str, batch: Any, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
-        """``call_dp_async(...).result(timeout)``."""
-        return self.call_dp_async(method, batch, *args, **kwargs).result(timeout)
 
     def apply_async(self, fn: Callable, *args: Any, **kwargs: Any) -> GroupFuture:
         """``fn(worker, *args, **kwargs)`` on every rank, ``worker`` being that rank's object."""
         self._check_usable()
         refs = [a.apply.remote(fn, *args, **kwargs) for a in self.actors]
         return GroupFuture(self, getattr(fn, "__name__", "fn"), refs, list(range(self.world_size)), lambda v: v)
-
-    def apply(self, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
-        return self.apply_async(fn, *args, **kwargs).result(timeout)
 
     # ---- waiting and failures ----------------------------------------------------------------
     def _gather(self, refs: list, ranks: list[int], timeout: float | None, what: str) -> list[Any]:
@@ -455,10 +421,6 @@ class WorkerGroup:
         return WorkerError(f"{type(e).__name__}: {e} (in {what!r}){also}", rank=rank, node=self._node(rank))
 
     # ---- ownership ---------------------------------------------------------------------------
-    def owner_gone(self) -> bool:
-        """True when this group was made for an owner object that no longer exists."""
-        return self._owner is not None and self._owner() is None
-
     def holder_line(self) -> str:
         """What this group holds and how to free it, in one line (for "could not reserve" reports)."""
         pool = getattr(self, "pool", None)
@@ -496,19 +458,3 @@ class WorkerGroup:
         if self in self.cluster._groups:
             self.cluster._groups.remove(self)
 
-    def __enter__(self) -> WorkerGroup:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.shutdown()
-
-    def table(self):
-        """One row per rank: rank, dp/tp/pp coordinates, node, pid."""
-        import pandas as pd
-
-        return pd.DataFrame([{"rank": r, **self.plan.coords(r), "node": i["node_id"][:8], "ip": i["ip"],
-                              "pid": i["pid"]} for r, i in enumerate(self.info)])
-
-    def __repr__(self) -> str:
-        state = "broken" if self._broken else "shut down" if self._closed else "running"
-        return f"WorkerGroup({self.name!r}, {self.plan.describe()}, {state})"

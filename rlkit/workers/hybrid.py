@@ -1,14 +1,20 @@
 """Rollout in the generation layout on every training rank (the 3D-HybridEngine, ``Rollout(tp=t_g)``).
 
-Each DP replica's ``tp*pp`` ranks form ``tp*pp / t_g`` generation groups (``rlkit.plan.hybrid``). One
-``generate`` call, on every rank:
+Each DP replica's ``tp*pp`` ranks form ``tp*pp / t_g`` generation groups (``rlkit.plan.hybrid``); their
+process groups come from ``rlkit.parallel.groups.build_generation_groups``. On every rank:
 
-1. reshard: the actor's training shards -> this rank's generation shard (``rlkit.parallel.relayout``);
+``reshard()`` (the worker's ``sync_weights``):
+
+1. the actor's training shards -> this rank's generation shard (``rlkit.parallel.relayout``);
 2. the shard goes into the engine: an HF model whose layers are DTensor-TP over the ``t_g`` ranks of the
    group (plain tensors for ``t_g = 1``), or a vLLM engine (``t_g = 1``);
+
+``generate()``:
+
 3. the group generates its contiguous slice of the replica's prompts, all its ranks in lockstep
    (same prompts, same per-prompt seeds, so the same samples: the ones one engine would draw);
-4. release: the engine's weights are dropped and the training storage given back, before training resumes;
+4. ``release()``: the engine's weights are dropped and the training storage given back, before training
+   resumes;
 5. the replica's results are gathered in group order (= prompt order) on the rank ``call_dp`` reads.
 """
 
@@ -24,33 +30,32 @@ from torch.distributed.tensor import DTensor
 
 from rlkit.parallel import ParallelModel
 from rlkit.parallel.apply import apply_tp
+from rlkit.parallel.groups import GenerationGroups
 from rlkit.parallel.relayout import Resharder
-from rlkit.plan.hybrid import GenerationLayout
 from rlkit.rollout import Rollout, engine_name, make_engine
+from rlkit.workers.batch import concat_batches
+from rlkit.workers.layout import SequenceLayout, generate_batch
 
 
 class HybridRollout:
     """The rollout side of one rank under ``Rollout(tp=t_g)``; see the module docstring.
 
-    >>> hr = HybridRollout(model_path, actor, GenerationLayout(plan, tp=2), rollout)  # doctest: +SKIP
-    >>> hr.generate(chunk, seed, P, R)  # every rank; the batch on the replica's collector rank  # doctest: +SKIP
+    >>> gen = build_generation_groups(GenerationLayout(plan, tp=2))               # doctest: +SKIP
+    >>> hr = HybridRollout(model_path, actor, gen, rollout)                      # doctest: +SKIP
+    >>> hr.reshard()                                # every rank: bytes received  # doctest: +SKIP
+    >>> hr.generate(chunk, seed, layout)  # every rank; the batch on the replica's collector rank  # doctest: +SKIP
     """
 
-    def __init__(self, model_path: str, actor: ParallelModel, layout: GenerationLayout, rollout: Rollout):
-        self.actor, self.layout, self.rollout = actor, layout, rollout
+    def __init__(self, model_path: str, actor: ParallelModel, groups: GenerationGroups, rollout: Rollout):
+        self.actor, self.layout, self.rollout = actor, groups.layout, rollout
         self.rank = actor.rank
-        self.resharder = Resharder(actor, layout)
-        c = layout.coords(self.rank)
+        self.resharder = Resharder(actor, groups)
+        c = self.layout.coords(self.rank)
         self.group_index, self.gen_tp = c["group"], c["gen_tp"]
-        plan = layout.plan
+        plan = self.layout.plan
         self.collector = plan.rank(dp=c["dp"], tp=0, pp=plan.pp - 1)
         # the replica's ranks (all tp x pp of one dp index): results are gathered inside it
-        self.replica_group = None
-        for d in range(plan.dp):  # new_group is collective: every rank makes every group, in order
-            ranks = sorted(r for r in range(plan.world_size) if plan.coords(r)["dp"] == d)
-            g = dist.new_group(ranks)
-            if d == c["dp"]:
-                self.replica_group, self.replica_ranks = g, ranks
+        self.replica_group, self.replica_ranks = groups.replica, groups.replica_ranks
         if engine_name(rollout, model_path) == "vllm":
             self.engine = make_engine(rollout, model_path)  # holds its own copy; loaded after each reshard
             self.shell = None
@@ -58,27 +63,37 @@ class HybridRollout:
             from rlkit.rollout.base import load_tokenizer
             from rlkit.rollout.hf import HFEngine
 
-            self.shell, self.slots = _engine_shell(model_path, actor, layout.tp, self.resharder.tp_mesh)
+            self.shell, self.slots = _engine_shell(model_path, actor, self.layout.tp, groups.tp_mesh)
             self.engine = HFEngine(self.shell, load_tokenizer(model_path), rollout)
             self.engine.device = actor.device
-        self.last_sync: dict[str, float] = {"bytes": 0.0, "seconds": 0.0, "param_bytes": 0.0, "peak_param_bytes": 0.0}
+        self.held = False  # the generation shard is in the engine (between reshard and release)
         self.prompts_generated = 0  # prompts this rank's generation group sampled, over all calls
 
     @torch.no_grad()
-    def generate(self, batch: dict[str, Any], seed: int, P: int, R: int, **overrides: Any) -> dict[str, Any] | None:
-        """Reshard, generate this group's slice of ``batch`` (the replica's prompts), release, gather."""
-        from rlkit.workers.batch import concat_batches
-        from rlkit.workers.rl import rollout_to_batch
-
+    def reshard(self) -> dict[str, float]:
+        """The actor's weights into the generation layout and the engine, held until ``release``: bytes
+        received, seconds (resharding and loading), parameter bytes held and their peak."""
+        self.release()
         shards, stats = self.resharder.reshard()
+        self.held = True
+        t0 = time.perf_counter()
+        if self.shell is not None:
+            _install(self.slots, shards)
+        else:  # vLLM keeps a copy of its own; it sleeps between rollouts where it can (GPU)
+            self.engine.wake_up()
+            self.engine.load_weights(shards.items())
+        return {"bytes": stats["bytes"], "seconds": stats["seconds"] + time.perf_counter() - t0,
+                "param_bytes": stats["param_bytes"], "peak_param_bytes": stats["peak_param_bytes"]}
+
+    @torch.no_grad()
+    def generate(self, batch: dict[str, Any], seed: int, layout: SequenceLayout,
+                 **overrides: Any) -> dict[str, Any] | None:
+        """Generate this group's slice of ``batch`` (the replica's prompts) with the weights ``reshard``
+        put in place (called without one, it reshards first), release them, gather the replica's
+        samples on its collector rank (None elsewhere)."""
+        if not self.held:
+            self.reshard()
         try:
-            t0 = time.perf_counter()
-            if self.shell is not None:
-                _install(self.slots, shards)
-            else:  # vLLM keeps a copy of its own; it sleeps between rollouts where it can (GPU)
-                self.engine.wake_up()
-                self.engine.load_weights(shards.items())
-            stats["load_seconds"] = time.perf_counter() - t0
             sl = self.layout.prompt_slices(len(batch["prompt"]))[self.group_index]
             part = None
             if sl.stop > sl.start:
@@ -86,15 +101,9 @@ class HybridRollout:
                 self.prompts_generated += sl.stop - sl.start
                 # the replica's seed, and each prompt's place in the replica's chunk: the samples are the
                 # ones a single engine for the whole chunk would draw
-                part = rollout_to_batch(self.engine, sub, seed, P, R, first_index=sl.start, **overrides)
+                part = generate_batch(self.engine, layout, sub, seed, first_index=sl.start, **overrides)
         finally:
-            if self.shell is not None:
-                _uninstall(self.slots)
-            else:
-                self.engine.sleep()
-            self.resharder.release()
-        stats["seconds"] = stats["seconds"] + stats["load_seconds"]
-        self.last_sync = stats
+            self.release()
         # one copy per generation group (its gen_tp == 0 rank) goes to the collector, in group order
         mine = (self.group_index, part) if self.gen_tp == 0 else None
         box: list[Any] = [None] * len(self.replica_ranks) if self.rank == self.collector else None
@@ -106,13 +115,25 @@ class HybridRollout:
         out["timing"] = max(p["timing"] for p in parts)
         return out
 
+    def release(self) -> None:
+        """Drop the generation shard and give the actor its training storage back (a no-op if not held)."""
+        if not self.held:
+            return
+        if self.shell is not None:
+            _uninstall(self.slots)
+        else:
+            self.engine.sleep()
+        self.resharder.release()
+        self.held = False
+
     def close(self) -> None:
+        self.release()
         if self.shell is None:
             self.engine.close()
         self.engine = self.shell = None
 
 
-def _engine_shell(model_path: str, actor: ParallelModel, tg: int, tp_mesh) -> tuple[nn.Module, list]:
+def _engine_shell(model_path: str, actor: ParallelModel, tg: int, tp_mesh: Any) -> tuple[nn.Module, list]:
     """The HF model the engine runs, built on meta and laid out for ``tg``-way TP; its parameters are
     slots that ``_install`` fills with the generation shard (and ``_uninstall`` empties)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig

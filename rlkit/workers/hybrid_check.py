@@ -2,8 +2,9 @@
 
 For each training plan and each valid ``Rollout(tp=t_g)`` it measures, on every rank:
 
-* the generation shard against the full weights sliced for ``t_g`` (exact), and the training weights
-  after ``release()`` against before (exact);
+* the generation shard against the HF checkpoint's own weights (loaded with ``transformers``, not through
+  rlkit) sliced for ``t_g`` by Megatron's split, written out here (exact), and the training weights after
+  ``release()`` against before (exact);
 * bytes received, seconds and parameter memory of one resharding, beside HybridFlow's formulas;
 * generation in the layout (every rank generating) against one HF engine on the full model, for the
   same prompts and seeds: greedy and sampled tokens, and the log-probs.
@@ -28,36 +29,60 @@ import torch.distributed as dist
 PROMPTS = ["12+7=", "3*4=", "ab", "hello there", "x", "99-3=", "a b c", "zz"]
 
 
-def _model(arch: str) -> str:
+def _model(arch: str, tied: bool = False) -> str:
     from rlkit.models import tiny_lm
 
-    # untied, so both pipeline ends hold one vocab matrix each and the stages are the same size
-    return tiny_lm(arch, size="test", vocab_size=256, tie_word_embeddings=False)
+    # untied by default, so both pipeline ends hold one vocab matrix each and the stages are the same size
+    return tiny_lm(arch, size="test", vocab_size=256, tie_word_embeddings=tied)
+
+
+# Megatron's TP split of a Llama/Qwen2 decoder, written out for the check (not rlkit's own table): the
+# matrices that produce heads / MLP channels split by rows (dim 0, biases too), the ones that consume them
+# by columns (dim 1, biases whole); embedding and LM head by vocab rows; norms whole.
+_ROWS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+_COLUMNS = ("o_proj", "down_proj")
+
+
+def hf_slice(name: str, weight: torch.Tensor, tg: int, g: int) -> torch.Tensor:
+    """Generation TP rank ``g``'s slice (of ``tg``) of the HF weight ``name``, by Megatron's split."""
+    module, kind = name.rsplit(".", 2)[-2:]
+    dim = 0 if module in _ROWS else 1 if module in _COLUMNS and kind == "weight" else None
+    return weight if dim is None or tg == 1 else weight.chunk(tg, dim)[g]
 
 
 def check_plan(path: str, plan, temperatures=(0.0, 1.0), max_new_tokens: int = 8) -> list[dict]:
     """Every ``t_g`` of ``plan`` on this rank: one row per (t_g, temperature). A collective."""
+    from transformers import AutoModelForCausalLM
+
     from rlkit.parallel import ParallelModel
-    from rlkit.parallel.relayout import Resharder, tp_shard
+    from rlkit.parallel.groups import build_generation_groups
+    from rlkit.parallel.relayout import Resharder
     from rlkit.plan.hybrid import GenerationLayout, valid_generation_tp
     from rlkit.rollout import Rollout, make_engine
     from rlkit.workers.hybrid import HybridRollout
-    from rlkit.workers.rl import rollout_to_batch
+    from rlkit.workers.layout import SequenceLayout, generate_batch
 
     pm = ParallelModel(path, plan, lr=1e-3)
     rank = dist.get_rank()
-    full = dict(pm.iter_full_weights("all"))
-    model_bytes = sum(t.numel() * t.element_size() for t in full.values())
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    full = {n: t.detach() for n, t in hf.state_dict().items()}
+    model_bytes = sum(t.numel() * t.element_size() for n, t in hf.named_parameters())
+    before = dict(pm.iter_full_weights("all"))
     req = {"prompt": PROMPTS, "uid": list(range(len(PROMPTS))), "row": list(range(len(PROMPTS)))}
+    seq = SequenceLayout(16, max_new_tokens)
     rows = []
     for tg in valid_generation_tp(plan, pm.config):
         layout = GenerationLayout(plan, tg)
-        resharder = Resharder(pm, layout)
+        groups = build_generation_groups(layout)  # a collective: every rank, every t_g, in order
+        resharder = Resharder(pm, groups)
         shards, stats = resharder.reshard()
         g = layout.coords(rank)["gen_tp"]
-        shard_err = max((shards[n] - tp_shard(n, t, tg, g, pm.config)).abs().max().item() for n, t in full.items())
+        missing = sorted(set(full) ^ set(shards))
+        if missing:
+            raise AssertionError(f"generation shard and checkpoint name different tensors: {missing[:4]}")
+        shard_err = max((shards[n] - hf_slice(n, t, tg, g)).abs().max().item() for n, t in full.items())
         resharder.release()
-        restore_err = max((t - full[n]).abs().max().item() for n, t in pm.iter_full_weights("all"))
+        restore_err = max((t - before[n]).abs().max().item() for n, t in pm.iter_full_weights("all"))
         row = {"plan": plan.describe(), "dims": [plan.dp, plan.tp, plan.pp], "dp_shard": plan.dp_shard,
                "model_path": str(path), "t_g": tg, "rank": rank,
                "model_bytes": model_bytes, "shard_err": shard_err, "restore_err": restore_err,
@@ -67,9 +92,10 @@ def check_plan(path: str, plan, temperatures=(0.0, 1.0), max_new_tokens: int = 8
                "param_formula": layout.parameter_fraction() * model_bytes}
         for temp in temperatures:
             rollout = Rollout(engine="hf", n=2, max_new_tokens=max_new_tokens, temperature=temp, seed=3)
-            hybrid = HybridRollout(path, pm, layout, rollout)
-            got = hybrid.generate(req, 5, 16, max_new_tokens)
-            want = rollout_to_batch(make_engine(rollout, path), req, 5, 16, max_new_tokens) if got is not None else None
+            hybrid = HybridRollout(path, pm, groups, rollout)
+            hybrid.reshard()
+            got = hybrid.generate(req, 5, seq)
+            want = generate_batch(make_engine(rollout, path), seq, req, 5) if got is not None else None
             key = "greedy" if temp == 0 else "sampled"
             row[f"{key}_prompts_here"] = hybrid.prompts_generated
             if got is not None:
@@ -85,6 +111,7 @@ def main() -> None:
     ap.add_argument("--plans", nargs="+", default=["1x2x2"],
                     help="dp x tp x pp, optionally :dp_shard (e.g. 2x2x2:replicate)")
     ap.add_argument("--arch", default="llama")
+    ap.add_argument("--tied", action="store_true", help="tie the input and output embeddings")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -93,7 +120,7 @@ def main() -> None:
 
     path = None
     if dist.get_rank() == 0:
-        path = _model(args.arch)  # built once, before the others read it
+        path = _model(args.arch, args.tied)  # built once, before the others read it
     box = [path]
     dist.broadcast_object_list(box, src=0)
     runs = []

@@ -26,8 +26,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from rlkit.errors import PlanError, WorkerError
+from rlkit.workers.base import BaseWorkerGroup, bound_method, join_dp_results, method_name
 from rlkit.workers.batch import batch_size, pad_batch
-from rlkit.workers.group import join_dp_results
 
 _PG_USERS: list[Any] = []  # local groups using the process group this module started (destroyed with the last)
 
@@ -45,7 +45,7 @@ class _Done:
         return self._value
 
 
-class LocalWorkerGroup:
+class LocalWorkerGroup(BaseWorkerGroup):
     """``worker_cls(*args, **kwargs)`` as rank 0 of a one-rank process group in this process.
 
     >>> from rlkit.workers.local import LocalWorkerGroup
@@ -107,14 +107,15 @@ class LocalWorkerGroup:
         _PG_USERS.append(self)
         self._owns_pg = True
 
-    # ---- dispatch (the same surface as WorkerGroup) ------------------------------------------------
-    def _run(self, what: str, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        if self._broken:
-            raise WorkerError(f"this group was torn down: {self._broken}; make a new one")
-        if self._closed:
-            raise WorkerError("this group was shut down; make a new one")
+    # ---- dispatch (the protocol of rlkit.workers.base) ----------------------------------------------
+    def _where(self) -> str:
+        return ", in this process"
+
+    def _run(self, what: str, fn: Callable, *args: Any, **kwargs: Any) -> _Done:
+        """Run ``fn`` now; errors arrive as they do from a Ray worker (``WorkerError``)."""
+        self._check_usable()
         try:
-            return fn(*args, **kwargs)
+            return _Done(fn(*args, **kwargs))
         except KeyboardInterrupt:
             # stopped half-way (an optimizer step, a weight load): the worker's state cannot be trusted
             self._broken = f"interrupted (KeyboardInterrupt) during {what!r}"
@@ -124,45 +125,26 @@ class LocalWorkerGroup:
             raise WorkerError(f"{type(e).__name__}: {e} (in {what!r})", rank=0, node="this process",
                               remote_traceback=traceback.format_exc()) from None
 
-    def _method(self, method: str) -> Callable:
-        fn = getattr(self.obj, method, None)
-        if fn is None or not callable(fn):
-            raise AttributeError(f"{type(self.obj).__name__} has no method {method!r}; "
-                                 f"methods: {[m for m in dir(self.obj) if not m.startswith('_')]}")
-        return fn
+    def call_async(self, method: str | Callable, *args: Any, **kwargs: Any) -> _Done:
+        """``method(*args, **kwargs)`` on the rank, now; the result is a one-item list (as ``WorkerGroup``)."""
+        name = method_name(method)
+        return self._run(name, lambda: [bound_method(self.obj, name)(*args, **kwargs)])
 
-    def call(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
-        """``method(*args, **kwargs)`` on the rank; a one-item list (as ``WorkerGroup.call``)."""
-        return [self._run(method, lambda: self._method(method)(*args, **kwargs))]
+    def call_rank0_async(self, method: str | Callable, *args: Any, **kwargs: Any) -> _Done:
+        name = method_name(method)
+        return self._run(name, lambda: bound_method(self.obj, name)(*args, **kwargs))
 
-    def call_rank0(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
-        return self._run(method, lambda: self._method(method)(*args, **kwargs))
-
-    def call_dp(self, method: str, batch: Any, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+    def call_dp_async(self, method: str | Callable, batch: Any, *args: Any, **kwargs: Any) -> _Done:
         """``method(batch, ...)``; the result joined as ``WorkerGroup.call_dp`` joins one DP rank's."""
+        name = method_name(method)
         padded, n = pad_batch(batch, 1)
-        value = self._run(method, lambda: self._method(method)(padded, *args, **kwargs))
-        return join_dp_results([value], batch_size(padded), n)
-
-    def apply(self, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
-        return [self._run(getattr(fn, "__name__", "fn"), fn, self.obj, *args, **kwargs)]
-
-    def call_async(self, method: str, *args: Any, **kwargs: Any) -> _Done:
-        return _Done(self.call(method, *args, **kwargs))
-
-    def call_rank0_async(self, method: str, *args: Any, **kwargs: Any) -> _Done:
-        return _Done(self.call_rank0(method, *args, **kwargs))
-
-    def call_dp_async(self, method: str, batch: Any, *args: Any, **kwargs: Any) -> _Done:
-        return _Done(self.call_dp(method, batch, *args, **kwargs))
+        return self._run(name, lambda: join_dp_results([bound_method(self.obj, name)(padded, *args, **kwargs)],
+                                                       batch_size(padded), n))
 
     def apply_async(self, fn: Callable, *args: Any, **kwargs: Any) -> _Done:
-        return _Done(self.apply(fn, *args, **kwargs))
+        return self._run(getattr(fn, "__name__", "fn"), lambda: [fn(self.obj, *args, **kwargs)])
 
     # ---- lifecycle -----------------------------------------------------------------------------
-    def owner_gone(self) -> bool:
-        return self._owner is not None and self._owner() is None
-
     def shutdown(self, polite: bool = True, timeout_s: float = 10) -> None:
         """Close the worker and leave the process group (when the last local group goes). Idempotent."""
         if self._closed:
@@ -187,22 +169,6 @@ class LocalWorkerGroup:
 
         gc.collect()  # the model's memory comes back now, not at the next collection
 
-    def __enter__(self) -> LocalWorkerGroup:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.shutdown()
-
-    def table(self):
-        """One row: rank 0, its coordinates, this process."""
-        import pandas as pd
-
-        i = self.info[0]
-        return pd.DataFrame([{"rank": 0, **self.plan.coords(0), "node": "local", "ip": i["ip"], "pid": i["pid"]}])
-
-    def __repr__(self) -> str:
-        state = "broken" if self._broken else "shut down" if self._closed else "running"
-        return f"LocalWorkerGroup({self.name!r}, {self.plan.describe()}, {state}, in this process)"
 
 
 @contextmanager

@@ -1,144 +1,128 @@
-"""RLWorker: one rank of the RL worker group (actor + rollout engine + reference + critic, colocated).
+"""The RL roles on one rank: ``RLWorker`` (actor + reference + critic + rollout engine, colocated) and
+``RolloutWorker`` (an engine on a worker of its own, split placement), and the settings they take.
 
-This is the HybridEngine: the actor trains under its ParallelPlan, and rollout runs on the same workers.
-Two layouts:
+The controller reaches them through ``rlkit.workers.rl_workers.RLWorkers``, one named method per step
+of the dataflow; every sequence column a role reads goes through the run's ``SequenceLayout``.
+
+``RLWorker`` is the HybridEngine: the actor trains under its ParallelPlan, and rollout runs on the same
+workers. Two layouts:
 
 * ``Rollout(tp=None)`` (the default): one engine per DP group, on that group's ``tp=0`` rank of the
-  last pipeline stage (the rank ``WorkerGroup.call_dp`` collects results from). After each update the
-  new weights stream out of the training layout one tensor at a time, only to the engine ranks, and are
-  loaded into the engine in place. On a one-rank plan an HF engine in the actor's dtype needs no model
-  of its own: it generates with the actor's tensors (the generation layout below, with ``t_g = 1``).
+  last pipeline stage (the rank ``call_dp`` collects results from). ``sync_weights`` streams the actor's
+  weights out of the training layout one tensor at a time, only to the engine ranks, into the engine in
+  place. On a one-rank plan an HF engine in the actor's dtype needs no model of its own: it generates
+  with the actor's tensors (the generation layout below, with ``t_g = 1``).
 * ``Rollout(tp=t_g)``: the 3D-HybridEngine's generation layout (``rlkit.workers.hybrid``). Every rank
-  generates, in groups of ``t_g``; each generation resharding moves only what a rank lacks, inside its
-  micro-DP group, and the generation copy is dropped before training resumes.
-
-Sequences have one fixed layout for the whole run, so pipeline schedules are built once:
-``[prompt left-padded to P | response right-padded to R]``; response token ``j`` sits at column
-``P + j`` and is predicted from the hidden state at column ``P + j - 1``.
+  generates, in groups of ``t_g``. ``sync_weights`` reshards the actor's weights into the generation
+  layout (each rank receives only what it lacks); ``generate`` drops the generation copy when it ends,
+  before training resumes.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
 
-from rlkit.algos import aggregate, kl_loss, masked_mean, policy_loss, value_loss
+from rlkit.algos import call_policy_loss, entropy_bonus, kl_loss, masked_mean, policy_loss, value_loss
 from rlkit.parallel import ParallelModel
+from rlkit.parallel.groups import build_generation_groups, build_groups
+from rlkit.plan.hybrid import GenerationLayout
 from rlkit.plan.topology import ParallelPlan
 from rlkit.rollout import Rollout, make_engine
+from rlkit.workers.hybrid import HybridRollout
+from rlkit.workers.layout import SequenceLayout, generate_batch
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """How one update call trains (the actor's; the critic reads ``epochs``, ``minibatches``,
+    ``value_clip``). Made by the trainer for each step (``TrainerConfig.update_settings(step)``).
+
+    ``policy_loss`` is the algorithm's loss function (``rlkit.algos.registry``); it travels with the
+    settings, so a loss defined in a notebook cell runs on Ray workers too.
+
+    >>> UpdateSettings(lr=1e-5, epochs=2).minibatches
+    1
+    """
+
+    lr: float
+    epochs: int = 1
+    minibatches: int = 1
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    loss_agg: str = "token-mean"
+    kl_loss_coef: float = 0.0       # KL to the reference as a loss term (0: none, e.g. KL in the reward)
+    kl_kind: str = "low_var_kl"
+    entropy_coef: float = 0.0
+    value_clip: float | None = 0.2
+    policy_loss: Callable[..., Any] = policy_loss
+
+
+class SyncReport(TypedDict, total=False):
+    """What one rank's part of a weight sync moved: bytes received, seconds, the process's RSS (GiB); in
+    the generation layout also the parameter bytes held while generating and their peak."""
+
+    bytes: float
+    seconds: float
+    rss_gb: float
+    param_bytes: float
+    peak_param_bytes: float
 
 
 class RLWorker:
-    """Per-rank RL roles. Created by ``WorkerGroup`` inside each actor (the process group exists)."""
+    """Per-rank RL roles. Created by a worker group inside each rank (the process group exists).
+
+    ``prompt_len``: the layout's P (longest prompt of the run). All the models of a rank (actor, reference,
+    critic) and the generation layout share one set of process groups, built once here.
+    """
 
     def __init__(self, model_path: str, plan: ParallelPlan, *, rollout: Rollout, prompt_len: int,
                  actor_lr: float, critic_lr: float = 1e-4, max_grad_norm: float | None = 1.0,
                  need_ref: bool = False, need_critic: bool = False, seed: int = 0, colocate_rollout: bool = True,
                  precision: str = "fp32"):
+        from transformers import AutoConfig
+
         torch.manual_seed(seed)
         self.plan, self.rank = plan, dist.get_rank()
-        self.P, self.R = prompt_len, rollout.max_new_tokens
-        common = dict(max_grad_norm=max_grad_norm, seed=seed, eps=1e-6, precision=precision)
+        self.layout = SequenceLayout(prompt_len, rollout.max_new_tokens)
+        config = AutoConfig.from_pretrained(str(model_path))
+        groups = build_groups(plan, tied_ends=bool(getattr(config, "tie_word_embeddings", False)) and plan.pp > 1)
+        common = dict(max_grad_norm=max_grad_norm, seed=seed, eps=1e-6, precision=precision, groups=groups)
         self.actor = ParallelModel(model_path, plan, lr=actor_lr, **common)
         self.ref = ParallelModel(model_path, plan, lr=0.0, **common) if need_ref else None
         self.critic = ParallelModel(model_path, plan, head="value", lr=critic_lr, **common) if need_critic else None
         for model in (self.actor, self.ref):  # every loss and metric here reads the response's columns only
             if model is not None:
-                model.set_scoring(first_column=self.P)
-        c = plan.coords(self.rank)
-        self.dp_rank = c["dp"]
+                model.set_scoring(first_column=self.layout.first_scored)
+        self.dp_rank = plan.coords(self.rank)["dp"]
         self.hybrid = None
         gen_tp = rollout.tp
         if gen_tp is None and colocate_rollout and _can_share_actor_weights(rollout, model_path, plan, self.actor):
             gen_tp = 1  # one rank: the engine generates with the actor's own tensors (no second model to sync)
         if gen_tp is not None and colocate_rollout:  # every rank generates, in the generation layout
-            from rlkit.plan.hybrid import GenerationLayout
-            from rlkit.workers.hybrid import HybridRollout
-
-            self.hybrid = HybridRollout(model_path, self.actor, GenerationLayout(plan, gen_tp), rollout)
+            layout = GenerationLayout(plan, gen_tp)
+            self.hybrid = HybridRollout(model_path, self.actor, build_generation_groups(layout), rollout)
         # split placement: the engines live in their own RolloutWorker group instead
         self.engine_ranks = sorted(plan.rank(dp=d, tp=0, pp=plan.pp - 1) for d in range(plan.dp)) \
             if colocate_rollout and self.hybrid is None else []
         self.engine = make_engine(rollout, model_path) if self.rank in self.engine_ranks else None
 
     # ---- rollout -------------------------------------------------------------------------------
-    def generate(self, batch: dict[str, Any], seed: int, **overrides: Any) -> dict[str, Any] | None:
-        """n samples per prompt of this DP group's prompts, laid out ``[P | R]``; None off the engine rank
-        (in the generation layout: off the replica's collector rank, though every rank generates)."""
+    def sync_weights(self) -> SyncReport:
+        """Put the actor's current weights into the rollout engines; every rank takes part (collectives).
+
+        One engine per DP group: the full weights stream to the engine ranks, one tensor at a time. The
+        generation layout: the actor's shards are resharded into it and held until ``generate`` ends."""
         if self.hybrid is not None:
-            return self.hybrid.generate(batch, seed + 7919 * self.dp_rank, self.P, self.R, **overrides)
-        if self.engine is None:
-            return None
-        return rollout_to_batch(self.engine, batch, seed + 7919 * self.dp_rank, self.P, self.R, **overrides)
-
-    # ---- forward passes ------------------------------------------------------------------------
-    def compute(self, batch: dict[str, Any], what: str) -> dict[str, torch.Tensor]:
-        """Per-response-token ``logprobs`` + ``entropy`` (actor), ``ref_logprobs`` or ``values``."""
-        ids, attn = batch["input_ids"], batch["attention_mask"]
-        P, R = self.P, self.R
-        if what == "actor":
-            out = self.actor.logprobs(ids, attn)
-            return {"logprobs": out["logprobs"][:, P:P + R], "entropy": out["entropy"][:, P:P + R]}
-        if what == "ref":
-            return {"ref_logprobs": self.ref.logprobs(ids, attn)["logprobs"][:, P:P + R]}
-        if what == "values":  # V(state before token j) lives at column P + j - 1
-            return {"values": self.critic.values(ids, attn)["values"][:, P - 1:P + R - 1]}
-        raise ValueError(f"compute(what={what!r}): choose 'actor', 'ref' or 'values'")
-
-    # ---- updates -------------------------------------------------------------------------------
-    def update_actor(self, batch: dict[str, Any], cfg: dict[str, Any]) -> dict[str, float]:
-        """PPO-style epochs x mini-batches of clipped policy-gradient steps on this DP rank's chunk."""
-        for g in self.actor.optimizer.param_groups:
-            g["lr"] = cfg["lr"]
-        P, R = self.P, self.R
-        stats: list[dict[str, float]] = []
-        self.actor.set_scoring(first_column=P, entropy_grad=bool(cfg["entropy_coef"]))  # else entropy is a metric
-
-        def loss_fn(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
-            lp, mask = out["logprobs"][:, P:P + R], mb["response_mask"]
-            old = mb["old_logprobs"] if "old_logprobs" in mb else lp.detach()
-            loss, m = policy_loss(lp, old, mb["advantages"], mask, clip_low=cfg["clip_low"],
-                                  clip_high=cfg["clip_high"], dual_clip=cfg["dual_clip"], agg=cfg["loss_agg"])
-            m["pg_loss"] = loss.item()
-            if cfg["kl_loss_coef"] and "ref_logprobs" in mb:
-                kl = kl_loss(lp, mb["ref_logprobs"], mask, kind=cfg["kl_kind"], agg=cfg["loss_agg"])
-                loss = loss + cfg["kl_loss_coef"] * kl
-                m["kl_loss"] = kl.item()
-            ent = out["entropy"][:, P:P + R]
-            if cfg["entropy_coef"]:
-                loss = loss - cfg["entropy_coef"] * aggregate(ent, mask, cfg["loss_agg"])
-            m["entropy"] = masked_mean(ent.detach(), mask).item()
-            stats.append(m)
-            return loss
-
-        return _epochs(self.actor, batch, cfg, loss_fn, stats, "actor")
-
-    def update_critic(self, batch: dict[str, Any], cfg: dict[str, Any]) -> dict[str, float]:
-        P, R = self.P, self.R
-        stats: list[dict[str, float]] = []
-
-        def loss_fn(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
-            v = out["values"][:, P - 1:P + R - 1]
-            loss, m = value_loss(v, mb["values"], mb["returns"], mb["response_mask"], clip=cfg["value_clip"])
-            stats.append(m)
-            return loss
-
-        return _epochs(self.critic, batch, cfg, loss_fn, stats, "critic")
-
-    # ---- weight sync (HybridEngine) ---------------------------------------------------------------
-    def sync_weights(self) -> dict[str, float]:
-        """Stream the actor's full weights into the engines; every rank takes part in the gathers. Returns
-        the bytes moved, the seconds and the rank's ``rss_gb``.
-
-        In the generation layout the resharding runs at the start of each ``generate`` (the generation
-        copy only exists while it generates): this returns that last resharding's numbers."""
-        if self.hybrid is not None:
-            return dict(self.hybrid.last_sync, rss_gb=_rss_gb())
+            return SyncReport(**self.hybrid.reshard(), rss_gb=_rss_gb())
         t0 = time.perf_counter()
         stream = self.actor.iter_full_weights(to=self.engine_ranks)
         if self.engine is not None:
@@ -146,26 +130,96 @@ class RLWorker:
         for _ in stream:  # drain: the gathers are collectives
             pass
         moved = self.actor.last_transfer.get("bytes", 0.0)
-        # the rank's memory rides along: one call a step fewer for the trainer's memory/rss metrics
-        return {"bytes": float(moved), "seconds": time.perf_counter() - t0, "rss_gb": _rss_gb()}
+        # the rank's memory rides along: the trainer's memory metrics need no call of their own
+        return SyncReport(bytes=float(moved), seconds=time.perf_counter() - t0, rss_gb=_rss_gb())
+
+    def generate(self, prompts: dict[str, Any], seed: int, **overrides: Any) -> dict[str, Any] | None:
+        """n samples per prompt of this DP group's ``prompts`` (``{"prompt", "uid", "row"}`` lists), as a
+        batch of the run's ``SequenceLayout``; None off the engine rank (in the generation layout: off the
+        replica's collector rank, though every rank generates)."""
+        seed = self.layout.rank_seed(seed, self.dp_rank)
+        if self.hybrid is not None:
+            return self.hybrid.generate(prompts, seed, self.layout, **overrides)
+        if self.engine is None:
+            return None
+        return generate_batch(self.engine, self.layout, prompts, seed, **overrides)
+
+    # ---- forward passes ------------------------------------------------------------------------
+    def actor_logprobs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The actor's ``logprobs`` and ``entropy`` of the response tokens (pi_old, before an update)."""
+        self._training_layout()
+        out = self.actor.logprobs(batch["input_ids"], batch["attention_mask"])
+        return {"logprobs": self.layout.response(out["logprobs"]), "entropy": self.layout.response(out["entropy"])}
+
+    def ref_logprobs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The reference model's ``ref_logprobs`` of the response tokens."""
+        return {"ref_logprobs": self.layout.response(self.ref.logprobs(batch["input_ids"],
+                                                                       batch["attention_mask"])["logprobs"])}
+
+    def values(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The critic's ``values`` of the states before each response token."""
+        return {"values": self.layout.values(self.critic.values(batch["input_ids"], batch["attention_mask"])["values"])}
+
+    # ---- updates -------------------------------------------------------------------------------
+    def update_actor(self, batch: dict[str, Any], settings: UpdateSettings) -> dict[str, float]:
+        """``settings.epochs`` x ``settings.minibatches`` policy-gradient steps on this DP rank's chunk."""
+        self._training_layout()
+        for g in self.actor.optimizer.param_groups:
+            g["lr"] = settings.lr
+        # an entropy that only feeds a metric stays out of autograd
+        self.actor.set_scoring(first_column=self.layout.first_scored, entropy_grad=bool(settings.entropy_coef))
+        stats: list[dict[str, float]] = []
+
+        def loss_fn(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            loss, m = actor_loss(self.layout, out, mb, settings)
+            stats.append(m)
+            return loss
+
+        return _epochs(self.actor, batch, settings, loss_fn, stats, "actor")
+
+    def update_critic(self, batch: dict[str, Any], settings: UpdateSettings) -> dict[str, float]:
+        """The critic's clipped value regression on this DP rank's chunk (its own learning rate)."""
+        stats: list[dict[str, float]] = []
+
+        def loss_fn(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
+            loss, m = value_loss(self.layout.values(out["values"]), mb["values"], mb["returns"],
+                                 self.layout.loss_mask(mb), clip=settings.value_clip)
+            stats.append(m)
+            return loss
+
+        return _epochs(self.critic, batch, settings, loss_fn, stats, "critic")
+
+    # ---- weights out ---------------------------------------------------------------------------
+    def send_weights(self) -> tuple[dict[str, torch.Tensor] | None, SyncReport]:
+        """For a rollout group of its own (split placement): the full actor weights on rank 0 (None
+        elsewhere), and this rank's part of the sync. A collective."""
+        self._training_layout()
+        t0 = time.perf_counter()
+        sd = self.actor.full_state_dict(to=0)
+        report = SyncReport(bytes=self.actor.last_transfer.get("bytes", 0.0), seconds=time.perf_counter() - t0,
+                            rss_gb=_rss_gb())
+        return (sd if self.rank == 0 else None), report
 
     def full_weights(self) -> dict[str, torch.Tensor] | None:
-        """Full HF-named actor weights on rank 0 (None elsewhere): for a rollout group on its own pool."""
+        """Full HF-named actor weights on rank 0 (None elsewhere). A collective."""
+        self._training_layout()
         sd = self.actor.full_state_dict(to=0)
         return sd if self.rank == 0 else None
 
     # ---- state ---------------------------------------------------------------------------------
     def save(self, path: str) -> str:
+        self._training_layout()
         self.actor.save(Path(path) / "actor")
         if self.critic is not None:
             self.critic.save(Path(path) / "critic")
         return path
 
-    def load(self, path: str) -> dict[str, float]:
+    def load(self, path: str) -> None:
+        """Restore ``save``'s state; the engines get the weights at the next ``sync_weights``."""
+        self._training_layout()
         self.actor.load(Path(path) / "actor")
         if self.critic is not None:
             self.critic.load(Path(path) / "critic")
-        return self.sync_weights()
 
     def rss_gb(self) -> float:
         return _rss_gb()
@@ -173,6 +227,7 @@ class RLWorker:
     def memory(self) -> list[dict[str, int]]:
         """The actor's bytes per rank (weights, grads of the last backward, optimizer state), measured:
         rows for ``rlkit.plan.compare_memory`` beside ``plan.memory(...)``. A collective: call every rank."""
+        self._training_layout()
         return self.actor.memory().to_dict(orient="records")
 
     def close(self) -> None:
@@ -181,25 +236,32 @@ class RLWorker:
         if self.hybrid is not None:
             self.hybrid.close()
 
+    def _training_layout(self) -> None:
+        """The actor's tensors in their training layout: a generation copy that ``sync_weights`` made and
+        no ``generate`` used is given back first (hand-written dataflows may call in any order)."""
+        if self.hybrid is not None:
+            self.hybrid.release()
+
 
 class RolloutWorker:
     """A rollout engine on its own worker (split placement): no process group, no training state."""
 
     def __init__(self, model_path: str, *, rollout: Rollout, prompt_len: int, seed: int = 0):
         torch.manual_seed(seed)
-        self.P, self.R = prompt_len, rollout.max_new_tokens
+        self.layout = SequenceLayout(prompt_len, rollout.max_new_tokens)
         self.dp_rank = int(os.environ.get("RANK", "0"))
         self.engine = make_engine(rollout, model_path)
 
-    def generate(self, batch: dict[str, Any], seed: int, **overrides: Any) -> dict[str, Any]:
-        # same seed per DP chunk as a colocated engine: the two placements sample the same responses
-        return rollout_to_batch(self.engine, batch, seed + 7919 * self.dp_rank, self.P, self.R, **overrides)
+    def generate(self, prompts: dict[str, Any], seed: int, **overrides: Any) -> dict[str, Any]:
+        # the layout's seed per DP chunk, as a colocated engine: both placements sample the same responses
+        return generate_batch(self.engine, self.layout, prompts, self.layout.rank_seed(seed, self.dp_rank),
+                              **overrides)
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> dict[str, float]:
+    def load_weights(self, state: dict[str, torch.Tensor]) -> SyncReport:
         t0 = time.perf_counter()
         self.engine.load_weights(state.items())
-        return {"bytes": float(sum(t.numel() * t.element_size() for t in state.values())),
-                "seconds": time.perf_counter() - t0}
+        return SyncReport(bytes=float(sum(t.numel() * t.element_size() for t in state.values())),
+                          seconds=time.perf_counter() - t0, rss_gb=_rss_gb())
 
     def rss_gb(self) -> float:
         return _rss_gb()
@@ -208,39 +270,28 @@ class RolloutWorker:
         self.engine.close()
 
 
-def rollout_to_batch(engine: Any, batch: dict[str, Any], seed: int, P: int, R: int, *, first_index: int = 0,
-                     **overrides: Any) -> dict[str, Any]:
-    """Generate for ``batch["prompt"]`` and lay the samples out as ``[prompt left-padded to P | response
-    right-padded to R]`` with masks, the rollout's log-probs and each sample's prompt ``uid`` / ``row``.
-    ``first_index``: where these prompts start in the call they are a slice of (per-prompt seeds).
+def actor_loss(layout: SequenceLayout, out: dict[str, torch.Tensor], mb: dict[str, Any],
+               settings: UpdateSettings) -> tuple[torch.Tensor, dict[str, float]]:
+    """The actor's objective on a micro-batch: the algorithm's policy loss, plus the KL to the reference
+    and the entropy bonus when their coefficients are set, over the tokens that carry loss.
 
-    >>> from rlkit.models import tiny_lm
-    >>> from rlkit.rollout import HFEngine
-    >>> engine = HFEngine(tiny_lm("qwen2", size="test"), n=2, max_new_tokens=4, ignore_eos=True)
-    >>> b = rollout_to_batch(engine, {"prompt": ["ab", "12+7="], "uid": [0, 1], "row": [5, 9]}, 0, P=8, R=4)
-    >>> tuple(b["input_ids"].shape), b["uid"], b["row"], b["response_mask"].sum().item()
-    ((4, 12), [0, 0, 1, 1], [5, 5, 9, 9], 16.0)
-    """
-    out = engine.generate(list(batch["prompt"]), seed=seed, first_index=first_index, **overrides)
-    n = out.response_ids.shape[0]
-    ids = torch.full((n, P + R), engine.pad_token_id, dtype=torch.long)
-    attn = torch.zeros(n, P + R, dtype=torch.long)
-    p, r = out.prompt_ids.shape[1], out.response_ids.shape[1]
-    if p > P or r > R:
-        raise RuntimeError(f"rollout returned prompt length {p} > P={P} or response {r} > R={R}")
-    ids[:, P - p:P] = out.prompt_ids
-    attn[:, P - p:P] = out.prompt_mask
-    ids[:, P:P + r] = out.response_ids
-    resp_mask = torch.zeros(n, R)
-    resp_mask[:, :r] = out.response_mask.float()
-    attn[:, P:] = resp_mask.long()
-    lp = torch.zeros(n, R)
-    lp[:, :r] = out.response_logprobs
-    rows = out.prompt_index.tolist()
-    return {"input_ids": ids, "attention_mask": attn, "response_mask": resp_mask, "rollout_logprobs": lp,
-            "uid": [batch["uid"][i] for i in rows], "row": [batch["row"][i] for i in rows],
-            "completion": list(out.texts), "finish_reason": list(out.finish_reason),
-            "timing": out.timings.get("generate", 0.0)}
+    ``out``: the actor's per-token ``logprobs`` / ``entropy`` (full width); ``mb``: the micro-batch.
+    Without ``old_logprobs`` (one optimizer step per batch) the ratio is 1 and its gradient the policy
+    gradient."""
+    lp, mask = layout.response(out["logprobs"]), layout.loss_mask(mb)
+    old = mb["old_logprobs"] if "old_logprobs" in mb else lp.detach()
+    loss, m = call_policy_loss(settings.policy_loss, lp, old, mb["advantages"], mask, clip_low=settings.clip_low,
+                               clip_high=settings.clip_high, dual_clip=settings.dual_clip, agg=settings.loss_agg)
+    m["pg_loss"] = loss.item()
+    if settings.kl_loss_coef and "ref_logprobs" in mb:
+        kl = kl_loss(lp, mb["ref_logprobs"], mask, kind=settings.kl_kind, agg=settings.loss_agg)
+        loss = loss + settings.kl_loss_coef * kl
+        m["kl_loss"] = kl.item()
+    ent = layout.response(out["entropy"])
+    if settings.entropy_coef:
+        loss = loss + entropy_bonus(ent, mask, settings.entropy_coef, settings.loss_agg)
+    m["entropy"] = masked_mean(ent.detach(), mask).item()
+    return loss, m
 
 
 def _can_share_actor_weights(rollout: Rollout, model_path: str, plan: ParallelPlan, actor: ParallelModel) -> bool:
@@ -272,11 +323,11 @@ def _rss_gb() -> float:
     return psutil.Process(os.getpid()).memory_info().rss / 2**30
 
 
-def _epochs(model: ParallelModel, batch: dict[str, Any], cfg: dict[str, Any], loss_fn: Any,
+def _epochs(model: ParallelModel, batch: dict[str, Any], settings: UpdateSettings, loss_fn: Any,
             stats: list[dict[str, float]], role: str) -> dict[str, float]:
-    """``cfg["epochs"]`` passes over the batch, ``cfg["minibatches"]`` optimizer steps each."""
-    results = [model.train_step(mb, loss_fn) for _epoch in range(cfg["epochs"])
-               for mb in _split(batch, cfg["minibatches"])]
+    """``settings.epochs`` passes over the batch, ``settings.minibatches`` optimizer steps each."""
+    results = [model.train_step(mb, loss_fn) for _epoch in range(settings.epochs)
+               for mb in _split(batch, settings.minibatches)]
     return _summarize(results, stats, role)
 
 

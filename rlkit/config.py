@@ -1,0 +1,137 @@
+"""TrainerConfig: how the trainer steps, every field checked on construction, and what each step's
+settings are (the learning-rate schedule, the update's settings) as functions of the step alone.
+
+>>> c = TrainerConfig(lr=1e-3, lr_schedule="cosine", total_steps=10)
+>>> [round(c.learning_rate(s), 6) for s in (0, 5, 10)]
+[0.001, 0.00055, 0.0001]
+>>> c.update_settings(step=5).lr == c.learning_rate(5)
+True
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlkit.errors import TrainerError
+
+if TYPE_CHECKING:
+    from rlkit.workers.rl import UpdateSettings
+
+
+@dataclass
+class TrainerConfig:
+    """How the trainer steps. Defaults suit a laptop's CPU and a tiny model; see each field.
+
+    >>> TrainerConfig(prompts_per_step=8, lr=1e-3).prompts_per_step
+    8
+    """
+
+    prompts_per_step: int = 8            # prompts per step (each sampled Rollout.n times)
+    lr: float = 1e-5                     # actor learning rate (AdamW)
+    lr_warmup_steps: int = 0
+    lr_schedule: str = "constant"        # "constant" | "cosine" (decays to 10% over total_steps)
+    total_steps: int | None = None       # the run's length in steps: what "cosine" decays over
+    epochs: int = 1                      # PPO epochs over each batch
+    minibatches: int = 1                 # optimizer steps per epoch (split of each DP rank's batch)
+    clip_low: float = 0.2
+    clip_high: float = 0.2               # > clip_low: DAPO clip-higher
+    dual_clip: float | None = None
+    loss_agg: str = "token-mean"
+    kl_coef: float = 0.0                 # 0: no reference model
+    kl_kind: str = "low_var_kl"
+    kl_in_reward: bool = False           # False: KL as a loss term (GRPO); True: penalty in the reward (PPO)
+    kl_target: float | None = None       # with kl_in_reward: adaptive controller (Ziegler et al. 2019)
+    entropy_coef: float = 0.0
+    max_grad_norm: float | None = 1.0
+    precision: str = "fp32"              # "bf16-mixed": bf16 autocast on fp32 weights (TRL's bf16=True)
+    gamma: float = 1.0                   # GAE (ppo)
+    lam: float = 1.0
+    critic_lr: float = 1e-4
+    value_clip: float = 0.2
+    train_size: int = 1000               # rows taken from a Task's train split
+    seed: int = 0
+    run_dir: str | None = None           # metrics.jsonl, config.json, plots; None: ./runs/<time>
+    timeout_s: float = 600.0             # bound on each worker call
+    keep_samples: int = 512              # rows kept for samples()
+
+    def __post_init__(self) -> None:
+        from rlkit.algos import AGG_MODES, KL_KINDS
+        from rlkit.checks import boolean, choice, integer, number
+        from rlkit.parallel.model import PRECISIONS
+
+        err = {"error": TrainerError}
+        integer("prompts_per_step", self.prompts_per_step, hint="e.g. prompts_per_step=8", **err)
+        integer("epochs", self.epochs, hint="1 is on-policy; PPO often uses 2-4", **err)
+        integer("minibatches", self.minibatches, hint="1: one optimizer step per epoch", **err)
+        integer("train_size", self.train_size, hint="rows taken from a Task's train split", **err)
+        integer("lr_warmup_steps", self.lr_warmup_steps, ge=0, hint="0 turns warm-up off", **err)
+        integer("seed", self.seed, ge=0, **err)
+        integer("keep_samples", self.keep_samples, ge=0, hint="0 keeps no samples", **err)
+        number("lr", self.lr, gt=0, hint="e.g. lr=1e-5 for a pretrained model, 2e-3 for a tiny one", **err)
+        number("critic_lr", self.critic_lr, gt=0, hint="e.g. critic_lr=1e-4", **err)
+        choice("lr_schedule", self.lr_schedule, ("constant", "cosine"), **err)
+        integer("total_steps", self.total_steps, none_ok=True, hint="the run's length in steps, e.g. 200", **err)
+        if self.lr_schedule == "cosine" and self.total_steps is None:
+            raise TrainerError("lr_schedule='cosine' decays the learning rate over the run: set total_steps= to the "
+                               "run's length in steps (e.g. total_steps=200), or use lr_schedule='constant'")
+        number("clip_low", self.clip_low, ge=0, lt=1, hint="PPO uses 0.2", **err)
+        number("clip_high", self.clip_high, ge=0, hint="PPO uses 0.2; DAPO's clip-higher 0.28", **err)
+        if self.clip_high < self.clip_low:
+            raise TrainerError(f"clip_high={self.clip_high} < clip_low={self.clip_low}: the ratio's upper clip "
+                               f"must be at least its lower one (clip-higher widens it); e.g. clip_high="
+                               f"{self.clip_low}")
+        number("dual_clip", self.dual_clip, gt=1, none_ok=True, hint="e.g. dual_clip=3.0", **err)
+        choice("loss_agg", self.loss_agg, AGG_MODES, **err)
+        number("kl_coef", self.kl_coef, ge=0, hint="0 turns the KL term (and the reference model) off", **err)
+        choice("kl_kind", self.kl_kind, KL_KINDS, **err)
+        boolean("kl_in_reward", self.kl_in_reward, **err)
+        number("kl_target", self.kl_target, gt=0, none_ok=True, hint="e.g. kl_target=0.1 (None: fixed kl_coef)",
+               **err)
+        if self.kl_target is not None and not (self.kl_in_reward and self.kl_coef > 0):
+            raise TrainerError(f"kl_target={self.kl_target} adapts the KL penalty in the reward, so it needs "
+                               f"kl_in_reward=True and kl_coef > 0 (got kl_in_reward={self.kl_in_reward}, "
+                               f"kl_coef={self.kl_coef}); set both, or kl_target=None")
+        number("entropy_coef", self.entropy_coef, ge=0, hint="0 turns the entropy bonus off; e.g. 1e-3", **err)
+        number("max_grad_norm", self.max_grad_norm, gt=0, none_ok=True, hint="None turns clipping off", **err)
+        choice("precision", self.precision, tuple(PRECISIONS), **err)
+        number("gamma", self.gamma, ge=0, le=1, hint="1.0 for LLM RL", **err)
+        number("lam", self.lam, ge=0, le=1, hint="1.0 for LLM RL, 0.95 in classic PPO", **err)
+        number("value_clip", self.value_clip, gt=0, none_ok=True, hint="PPO uses 0.2; None turns it off", **err)
+        if self.run_dir is not None:
+            if not isinstance(self.run_dir, (str, os.PathLike)) or not str(self.run_dir):
+                raise TrainerError(f"run_dir={self.run_dir!r} must be a folder path, or None for ./runs/<time>")
+            if Path(self.run_dir).exists() and not Path(self.run_dir).is_dir():
+                raise TrainerError(f"run_dir={str(self.run_dir)!r} is a file; metrics go in a folder: choose "
+                                   f"another path")
+        number("timeout_s", self.timeout_s, gt=0, hint="a bound on each worker call, e.g. 600", **err)
+
+    # ---- per step ------------------------------------------------------------------------------
+    def learning_rate(self, step: int) -> float:
+        """The actor's learning rate at ``step`` (0-based): linear warm-up over ``lr_warmup_steps``, then
+        constant, or cosine from ``lr`` down to 10% of it at ``total_steps``."""
+        if self.lr_warmup_steps and step < self.lr_warmup_steps:
+            return self.lr * (step + 1) / self.lr_warmup_steps
+        if self.lr_schedule == "cosine":
+            total = max(self.total_steps, 1)
+            frac = min(1.0, (step - self.lr_warmup_steps) / max(1, total - self.lr_warmup_steps))
+            return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        return self.lr
+
+    def update_settings(self, step: int, policy_loss: Any = None) -> UpdateSettings:
+        """What the update calls of ``step`` take: the learning rate then, the PPO settings, the KL as a
+        loss term (none when the KL is in the reward), and the algorithm's ``policy_loss``."""
+        from rlkit.workers.rl import UpdateSettings
+
+        extra = {} if policy_loss is None else {"policy_loss": policy_loss}
+        return UpdateSettings(lr=self.learning_rate(step), epochs=self.epochs, minibatches=self.minibatches,
+                              clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
+                              loss_agg=self.loss_agg, kl_loss_coef=0.0 if self.kl_in_reward else self.kl_coef,
+                              kl_kind=self.kl_kind, entropy_coef=self.entropy_coef, value_clip=self.value_clip,
+                              **extra)
+
+
+__all__ = ["TrainerConfig"]

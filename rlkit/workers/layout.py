@@ -1,0 +1,146 @@
+"""The sequence layout: where each token of a sample sits in the rows the controller and workers exchange.
+
+Every role reads its columns through one ``SequenceLayout``, so no role slices sequences by hand. Today's
+layout is fixed for a whole run (pipeline schedules are built once per shape)::
+
+    column:  0 ........ P-1 | P ............ P+R-1
+             prompt, left-  | response, right-
+             padded to P    | padded to R
+
+* response token ``j`` sits at column ``P + j``; its log-prob (and the entropy of its distribution) is
+  read at the same column of a model's per-token output (column ``t`` scores token ``t`` given ``< t``),
+  so only columns ``>= P`` are scored;
+* the value of the state before response token ``j`` is the critic's output at column ``P + j - 1``;
+* the tokens that carry loss (policy loss, KL, entropy) are ``batch["loss_mask"]`` when a batch has one
+  (a multi-turn trajectory masks its tool outputs), else ``batch["response_mask"]``;
+* each DP rank samples with its own seed, ``seed + 7919 * dp_rank``: any placement (colocated, split,
+  the generation layout) draws the same samples for the same chunk;
+* each sample may carry ``policy_version``, the number of updates behind the weights that sampled it.
+
+The keys of a batch (one row per sample): ``input_ids``, ``attention_mask`` (P + R wide),
+``response_mask``, ``rollout_logprobs`` (R wide), optionally ``loss_mask`` (R wide) and
+``policy_version``; lists ``uid`` (the prompt's index in the step), ``row`` (its dataset row),
+``completion``, ``finish_reason``; meta ``timing``.
+
+>>> import torch
+>>> layout = SequenceLayout(prompt_len=3, response_len=2)
+>>> per_token = torch.arange(5.).expand(2, 5)           # a model's per-token output, 5 = P + R columns
+>>> layout.response(per_token)[0].tolist(), layout.values(per_token)[0].tolist()
+([3.0, 4.0], [2.0, 3.0])
+>>> SequenceLayout.rank_seed(11, dp_rank=1)
+7930
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# DP ranks' seed stride: a prime, so ranks' streams never coincide for small seeds
+SEED_STRIDE = 7919
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """``[prompt left-padded to prompt_len | response right-padded to response_len]``; see the module docstring.
+
+    >>> SequenceLayout(prompt_len=8, response_len=4).width
+    12
+    """
+
+    prompt_len: int
+    response_len: int
+
+    @property
+    def width(self) -> int:
+        """Columns of a packed sample: ``prompt_len + response_len``."""
+        return self.prompt_len + self.response_len
+
+    @property
+    def first_scored(self) -> int:
+        """The first column whose log-prob any role reads (a model need not score earlier ones)."""
+        return self.prompt_len
+
+    def response(self, per_token: torch.Tensor) -> torch.Tensor:
+        """The response's columns of a per-token output (log-probs, entropy): ``[batch, response_len]``."""
+        return per_token[:, self.prompt_len:self.prompt_len + self.response_len]
+
+    def values(self, per_token: torch.Tensor) -> torch.Tensor:
+        """A critic's values of the states before each response token: ``[batch, response_len]``."""
+        return per_token[:, self.prompt_len - 1:self.prompt_len + self.response_len - 1]
+
+    @staticmethod
+    def loss_mask(batch: dict[str, Any]) -> torch.Tensor:
+        """The response tokens that carry loss (policy loss, KL, entropy, value loss, advantages)."""
+        mask = batch.get("loss_mask")
+        return batch["response_mask"] if mask is None else mask
+
+    @staticmethod
+    def rank_seed(seed: int, dp_rank: int) -> int:
+        """The sampling seed of DP rank ``dp_rank``'s chunk of a call seeded ``seed``."""
+        return seed + SEED_STRIDE * dp_rank
+
+    @staticmethod
+    def stamp_version(batch: dict[str, Any], version: int) -> dict[str, Any]:
+        """Tag every sample of ``batch`` with the policy version that generated it (in place).
+
+        >>> b = SequenceLayout.stamp_version({"input_ids": torch.zeros(3, 4)}, version=7)
+        >>> b["policy_version"].tolist()
+        [7, 7, 7]
+        """
+        batch["policy_version"] = torch.full((batch["input_ids"].shape[0],), int(version), dtype=torch.long)
+        return batch
+
+    def pack(self, out: Any, prompts: dict[str, Any], pad_token_id: int) -> dict[str, Any]:
+        """Lay an engine's ``RolloutBatch`` out as this layout's batch, with each sample's ``uid`` and
+        ``row`` from ``prompts`` (the request it answers).
+
+        >>> from rlkit.models import tiny_lm
+        >>> from rlkit.rollout import HFEngine
+        >>> engine = HFEngine(tiny_lm("qwen2", size="test"), n=2, max_new_tokens=4, ignore_eos=True)
+        >>> req = {"prompt": ["ab", "12+7="], "uid": [0, 1], "row": [5, 9]}
+        >>> b = SequenceLayout(8, 4).pack(engine.generate(req["prompt"], seed=0), req, engine.pad_token_id)
+        >>> tuple(b["input_ids"].shape), b["uid"], b["row"], b["response_mask"].sum().item()
+        ((4, 12), [0, 0, 1, 1], [5, 5, 9, 9], 16.0)
+        """
+        P, R = self.prompt_len, self.response_len
+        n = out.response_ids.shape[0]
+        p, r = out.prompt_ids.shape[1], out.response_ids.shape[1]
+        if p > P or r > R:
+            raise RuntimeError(f"rollout returned prompt length {p} > P={P} or response {r} > R={R}")
+        ids = torch.full((n, P + R), pad_token_id, dtype=torch.long)
+        attn = torch.zeros(n, P + R, dtype=torch.long)
+        ids[:, P - p:P] = out.prompt_ids
+        attn[:, P - p:P] = out.prompt_mask
+        ids[:, P:P + r] = out.response_ids
+        resp_mask = torch.zeros(n, R)
+        resp_mask[:, :r] = out.response_mask.float()
+        attn[:, P:] = resp_mask.long()
+        lp = torch.zeros(n, R)
+        lp[:, :r] = out.response_logprobs
+        rows = out.prompt_index.tolist()
+        return {"input_ids": ids, "attention_mask": attn, "response_mask": resp_mask, "rollout_logprobs": lp,
+                "uid": [prompts["uid"][i] for i in rows], "row": [prompts["row"][i] for i in rows],
+                "completion": list(out.texts), "finish_reason": list(out.finish_reason),
+                "timing": out.timings.get("generate", 0.0)}
+
+
+def generate_batch(engine: Any, layout: SequenceLayout, prompts: dict[str, Any], seed: int, *,
+                   first_index: int = 0, **overrides: Any) -> dict[str, Any]:
+    """``engine.generate`` for ``prompts["prompt"]`` (seeded per prompt from ``seed``; ``first_index``: where
+    these prompts start in the call they are a slice of), packed by ``layout``.
+
+    >>> from rlkit.models import tiny_lm
+    >>> from rlkit.rollout import HFEngine
+    >>> engine = HFEngine(tiny_lm("qwen2", size="test"), n=2, max_new_tokens=4, ignore_eos=True)
+    >>> b = generate_batch(engine, SequenceLayout(8, 4), {"prompt": ["ab"], "uid": [0], "row": [3]}, seed=0)
+    >>> b["row"], tuple(b["rollout_logprobs"].shape)
+    ([3, 3], (2, 4))
+    """
+    out = engine.generate(list(prompts["prompt"]), seed=seed, first_index=first_index, **overrides)
+    return layout.pack(out, prompts, engine.pad_token_id)
+
+
+__all__ = ["SEED_STRIDE", "SequenceLayout", "generate_batch"]

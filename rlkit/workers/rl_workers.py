@@ -1,0 +1,199 @@
+"""RLWorkers: the controller's typed handle on a Trainer's worker groups, one named method per step of
+the RL dataflow.
+
+``Trainer.train_step`` calls these methods and nothing else remote; each calls the worker method of the
+same name (``RLWorker.update_actor`` ...) through the group's dispatch mode, so an editor's
+go-to-definition leads from the loop to the code that runs on the ranks. The same code drives the Ray
+``WorkerGroup`` and the in-process ``LocalWorkerGroup`` (the protocol of ``rlkit.workers.base``).
+``group.call_dp(...)`` stays public for hand-written dataflows (the tutorials).
+
+>>> from rlkit.workers.placement import Placement
+>>> from rlkit.plan import ParallelPlan
+>>> w = RLWorkers.start(Placement.colocated(ParallelPlan()), cluster=None, worker_kwargs=kw)  # doctest: +SKIP
+>>> w.sync_weights(); batch = w.generate(prompts, seed=0, policy_version=0)                  # doctest: +SKIP
+>>> w.update_actor(batch, UpdateSettings(lr=1e-5))                                           # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from rlkit.workers.base import BaseWorkerGroup
+from rlkit.workers.batch import concat_batches
+from rlkit.workers.layout import SequenceLayout
+from rlkit.workers.placement import Placement
+from rlkit.workers.rl import RLWorker, RolloutWorker, SyncReport, UpdateSettings
+
+
+class RLWorkers:
+    """The actor's ``RLWorker`` group and, in split placement, the ``RolloutWorker`` group; see the module
+    docstring. Every call waits at most ``timeout_s`` seconds."""
+
+    def __init__(self, group: BaseWorkerGroup, rollout_group: BaseWorkerGroup | None, placement: Placement,
+                 layout: SequenceLayout, timeout_s: float):
+        self.group, self.rollout_group, self.placement = group, rollout_group, placement
+        self.layout, self.timeout_s = layout, timeout_s
+
+    # ---- start -----------------------------------------------------------------------------------
+    @classmethod
+    def start(cls, placement: Placement, cluster: Any, *, model_path: str, layout: SequenceLayout,
+              worker_kwargs: dict[str, Any], seed: int, timeout_s: float, owner: Any = None,
+              interactive: bool = False, held: list | None = None) -> tuple[RLWorkers, Any]:
+        """Start the groups ``placement`` asks for; returns ``(workers, cluster)``.
+
+        A one-rank colocated placement with no ``cluster`` runs its worker in this process (no Ray to
+        start, no second interpreter, no pickling per call). Otherwise the groups run on ``cluster`` (an
+        embedded local Ray cluster when None), on the pools ``placement.reserve`` makes; older owners of
+        the same type (a notebook cell run again) are closed first when ``interactive`` and room is short.
+        ``held`` collects the groups as they start (the owner's finalizer shuts them down).
+        """
+        held = [] if held is None else held
+        plan, rollout = placement.plan, worker_kwargs["rollout"]
+        args = (model_path, plan)
+        kwargs = dict(worker_kwargs, prompt_len=layout.prompt_len, seed=seed,
+                      colocate_rollout=placement.kind == "colocated")
+        if cluster is None and placement.world_size == 1:
+            from rlkit.workers.local import LocalWorkerGroup
+
+            group = LocalWorkerGroup(plan, RLWorker, *args, **kwargs, name="rl", owner=owner)
+            held.append(group)
+            return cls(group, None, placement, layout, timeout_s), None
+        from rlkit.cluster import Cluster
+        from rlkit.workers.group import WorkerGroup
+
+        if cluster is None:
+            cluster = Cluster(num_cpus=max(os.cpu_count() or 1, placement.world_size))
+        # more ranks than devices: a fraction of a CPU each, with an OversubscribedWarning giving the numbers
+        cpus = cluster.cpus_per_rank(placement.world_size)
+        gpw = cluster.gpus_per_worker
+        need = {"CPU": cpus * placement.world_size, **({"GPU": gpw * placement.world_size} if gpw else {})}
+        closed = cluster.make_room(need, owner, replace_older=interactive)
+        if closed:
+            warnings.warn(f"rlkit: closed the earlier {', '.join(closed)} to free its workers for this one "
+                          f"(a notebook cell run again?); close trainers yourself with trainer.close() to keep "
+                          f"control", stacklevel=3)
+        pools = placement.reserve(cluster, cpus_per_worker=cpus)
+        try:
+            group = WorkerGroup(cluster, plan, RLWorker, *args, **kwargs, pool=pools["actor"], owns_pool=True,
+                                timeout_s=timeout_s, name="rl", owner=owner)
+            held.append(group)
+            rollout_group = None
+            if "rollout" in pools:
+                rollout_group = WorkerGroup(cluster, placement.rollout_workers, RolloutWorker, model_path,
+                                            rollout=rollout, prompt_len=layout.prompt_len, seed=seed,
+                                            init_process_group=False, pool=pools["rollout"], owns_pool=True,
+                                            timeout_s=timeout_s, name="rollout", owner=owner)
+                held.append(rollout_group)
+        except BaseException:
+            for g in reversed(held):
+                g.shutdown(polite=False)
+            for pool in pools.values():
+                pool.remove()
+            held.clear()
+            raise
+        return cls(group, rollout_group, placement, layout, timeout_s), cluster
+
+    # ---- the dataflow's calls --------------------------------------------------------------------
+    def sync_weights(self) -> list[SyncReport]:
+        """The actor's current weights into the rollout engines, one report per process that took part:
+        streamed in place (colocated), resharded into the generation layout (``Rollout(tp=...)``), or
+        gathered on the actor's rank 0 and shipped once through Ray's object store to every rollout
+        worker (split)."""
+        if self.rollout_group is None:
+            return self.group.call(RLWorker.sync_weights, timeout=self.timeout_s)
+        import ray
+
+        t0 = time.perf_counter()
+        sent = self.group.call(RLWorker.send_weights, timeout=self.timeout_s)
+        state = ray.put(sent[0][0])
+        loaded = self.rollout_group.call(RolloutWorker.load_weights, state, timeout=self.timeout_s)
+        seconds = time.perf_counter() - t0
+        # the engines' reports carry the whole sync's time: gather, object store and load
+        return [report for _, report in sent] + [SyncReport({**r, "seconds": seconds}) for r in loaded]
+
+    def generate(self, prompts: list[dict[str, Any]], seed: int, policy_version: int,
+                 **overrides: Any) -> dict[str, Any]:
+        """``Rollout.n`` samples of each prompt row (``{"prompt", "_row", ...}``), one batch of the run's
+        ``SequenceLayout`` in prompt order, each sample tagged with ``policy_version``; the rows'
+        other columns under ``"columns"`` (what reward functions get)."""
+        request = {"prompt": [p["prompt"] for p in prompts], "uid": list(range(len(prompts))),
+                   "row": [p["_row"] for p in prompts]}
+        group = self.rollout_group or self.group
+        method = RolloutWorker.generate if self.rollout_group is not None else RLWorker.generate
+        parts = group.call_dp(method, request, seed, timeout=self.timeout_s, **overrides)
+        batch = concat_batches(parts) if isinstance(parts, list) else parts
+        batch["columns"] = {k: [prompts[u][k] for u in batch["uid"]] for k in prompts[0] if k != "_row"}
+        return self.layout.stamp_version(batch, policy_version)
+
+    def ref_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The reference model's log-probs of the response tokens."""
+        return self.group.call_dp(RLWorker.ref_logprobs, batch, timeout=self.timeout_s)["ref_logprobs"]
+
+    def values(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The critic's values of the states before each response token."""
+        return self.group.call_dp(RLWorker.values, batch, timeout=self.timeout_s)["values"]
+
+    def old_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The actor's log-probs of the response tokens before this step's update (pi_old)."""
+        return self.group.call_dp(RLWorker.actor_logprobs, batch, timeout=self.timeout_s)["logprobs"]
+
+    def update_actor(self, batch: dict[str, Any], settings: UpdateSettings) -> dict[str, float]:
+        """One update of the actor on ``batch`` (split by DP rank); its metrics averaged over DP ranks."""
+        self.group.ship_code(settings.policy_loss)
+        return _mean_dicts(self.group.call_dp(RLWorker.update_actor, batch, settings, timeout=self.timeout_s))
+
+    def update_critic(self, batch: dict[str, Any], settings: UpdateSettings) -> dict[str, float]:
+        """One update of the critic on ``batch``; its metrics averaged over DP ranks."""
+        return _mean_dicts(self.group.call_dp(RLWorker.update_critic, batch, settings, timeout=self.timeout_s))
+
+    # ---- state -----------------------------------------------------------------------------------
+    def save(self, path: str) -> None:
+        """Every rank's sharded training state into the folder ``path`` (which must exist)."""
+        self.group.call(RLWorker.save, path, timeout=self.timeout_s)
+
+    def load(self, path: str) -> None:
+        """Every rank's training state from ``save``'s folder; the engines follow at the next sync."""
+        self.group.call(RLWorker.load, path, timeout=self.timeout_s)
+
+    def close(self) -> None:
+        """Close the workers politely (bounded), then shut the groups down. Idempotent."""
+        for group in (self.rollout_group, self.group):
+            if group is None:
+                continue
+            try:
+                group.call("close", timeout=30)
+            except Exception:
+                pass  # a broken group is torn down below all the same
+            group.shutdown()
+
+
+def _mean_dicts(parts: Any) -> dict[str, float]:
+    parts = [p for p in (parts if isinstance(parts, list) else [parts]) if p]
+    keys = {k for p in parts for k in p}
+    return {k: sum(p[k] for p in parts if k in p) / sum(1 for p in parts if k in p) for k in sorted(keys)}
+
+
+def start_finalizer(owner: Any) -> list:
+    """A list of worker groups that are shut down when ``owner`` is garbage (its ``weakref.finalize``)."""
+    held: list = []
+    fin = weakref.finalize(owner, shutdown_groups, held)
+    fin.atexit = False
+    return held
+
+
+def shutdown_groups(groups: list[Any]) -> None:
+    """Shut down and forget ``groups`` (a finalizer's: must not refer to their owner)."""
+    while groups:
+        try:
+            groups.pop().shutdown(polite=False)
+        except Exception:  # Ray already gone (interpreter exit, cluster shut down)
+            pass
+
+
+__all__ = ["RLWorkers", "shutdown_groups", "start_finalizer"]
