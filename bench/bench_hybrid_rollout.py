@@ -37,12 +37,12 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     from rlkit.models import tiny_lm
-    from rlkit.parallel import ParallelModel
+    from rlkit.parallel import ParallelModel, build_generation_groups
     from rlkit.plan import ParallelPlan
     from rlkit.plan.hybrid import GenerationLayout
     from rlkit.rollout import Rollout, make_engine
     from rlkit.workers.hybrid import HybridRollout
-    from rlkit.workers.rl import rollout_to_batch
+    from rlkit.workers.layout import SequenceLayout, generate_batch
 
     rank = dist.get_rank()
     box = [tiny_lm("llama", size=args.size, tie_word_embeddings=False) if rank == 0 else None]
@@ -56,10 +56,11 @@ def worker(args) -> None:
     dp_rank = plan.coords(rank)["dp"]
     mine = [words[(dp_rank * args.prompts + i) % len(words)] for i in range(args.prompts)]
     chunk = {"prompt": mine, "uid": list(range(args.prompts)), "row": list(range(args.prompts))}
-    P, R = 16, args.tokens
+    seq = SequenceLayout(16, args.tokens)
     engine_ranks = [plan.rank(dp=d, tp=0) for d in range(plan.dp)]
     single = make_engine(ro, path) if rank in engine_ranks else None
-    hybrid = {f"tp{t}": HybridRollout(path, pm, GenerationLayout(plan, t), ro) for t in (1, 2)}
+    hybrid = {f"tp{t}": HybridRollout(path, pm, build_generation_groups(GenerationLayout(plan, t)), ro)
+              for t in (1, 2)}
 
     def run(layout: str) -> tuple[float, float, int]:
         dist.barrier()
@@ -71,10 +72,10 @@ def worker(args) -> None:
             for _ in stream:
                 pass
             t_sync = time.perf_counter() - t0
-            out = rollout_to_batch(single, chunk, 11, P, R) if single is not None else None
+            out = generate_batch(single, seq, chunk, 11) if single is not None else None
         else:
-            out = hybrid[layout].generate(chunk, 11, P, R)
-            t_sync = hybrid[layout].last_sync["seconds"]
+            t_sync = hybrid[layout].reshard()["seconds"]
+            out = hybrid[layout].generate(chunk, 11, seq)
         dist.barrier()
         tokens = int(out["response_mask"].sum()) if out is not None else 0
         return time.perf_counter() - t0, t_sync, tokens

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from vs_trl_common import PROMPTS, WARMUP_STEPS, WORK, PeakRSS, StepClock, emit, share_of  # noqa: E402
 
 CLOCK = StepClock()  # before the heavy imports: they are part of start-up
-TIMED = ("generate", "update_actor", "sync_weights", "rss_gb")  # worker methods a step calls
+TIMED = ("generate", "update_actor", "sync_weights")  # worker methods a step calls
 
 
 def _time_methods(worker, names: tuple[str, ...]) -> None:
@@ -161,7 +161,7 @@ def main() -> None:
         marks["fit_to_first_step_s"] = time.perf_counter()  # made a duration below
         tr.group.apply(_time_methods, TIMED)
         threads = tr.group.apply(_threads)[0]
-        gen = tr._generate
+        gen = tr.workers.generate
         engine_s: list[float] = []
         last: dict = {}
 
@@ -171,7 +171,7 @@ def main() -> None:
             last.update({k: out[k] for k in ("input_ids", "attention_mask", "response_mask", "rollout_logprobs")})
             return out
 
-        tr._generate = timed_generate
+        tr.workers.generate = timed_generate
         if args.cprofile:
             import cProfile
 

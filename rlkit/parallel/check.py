@@ -191,10 +191,11 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
 
     # 4b. reshard into the generation layout Rollout(tp=1) (the 3D-HybridEngine's; full weights on every
     # rank, gathered inside micro-DP groups), then give the training storage back
+    from rlkit.parallel.groups import build_generation_groups
     from rlkit.parallel.relayout import Resharder
     from rlkit.plan.hybrid import GenerationLayout
 
-    resharder = Resharder(pm, GenerationLayout(plan, tp=1))
+    resharder = Resharder(pm, build_generation_groups(GenerationLayout(plan, tp=1)))
     shards, rel = resharder.reshard()
     drel = max((shards[k] - v.detach()).abs().max().item() for k, v in ref_named.items())
     resharder.release()
