@@ -210,8 +210,9 @@ class WorkerGroup(BaseWorkerGroup):
     >>> class Adder:
     ...     def __init__(self, base): self.base = base
     ...     def add(self, x): return self.base + x
+    ...     def add_each(self, xs): return [self.base + x for x in xs]
     >>> with WorkerGroup(cluster, 2, Adder, 10) as g:   # doctest: +SKIP
-    ...     g.call("add", 1), g.call_dp("add", [1, 2, 3])
+    ...     g.call(Adder.add, 1), g.call_dp(Adder.add_each, [1, 2, 3])
     ([11, 11], [11, 12, 13])
     """
 
