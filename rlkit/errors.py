@@ -18,6 +18,11 @@ class PlanError(RlkitError, ValueError):
     """
 
 
+class ClusterError(RlkitError, ConnectionError):
+    """Ray could not be started or reached, or resources not reserved; the message says what was tried
+    and how to fix it."""
+
+
 class WorkerError(RlkitError, RuntimeError):
     """A remote worker failed; carries its rank, node and the remote traceback."""
 

@@ -25,8 +25,9 @@ from rlkit.workers.base import BaseWorkerGroup, bound_method, join_dp_results, m
 from rlkit.workers.batch import batch_size, pad_batch, split_batch
 
 if TYPE_CHECKING:
-    from rlkit.cluster import Cluster, ResourcePool
+    from rlkit.cluster import Cluster
     from rlkit.plan.topology import ParallelPlan
+    from rlkit.pools import ResourcePool
 
 _POLL_S = 0.2  # how often a wait wakes up: keeps Ctrl-C responsive and failures reported early
 _GRACE_S = 1.0  # after one rank fails, how long to let its peers' failures (a dead process) arrive
