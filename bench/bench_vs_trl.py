@@ -7,6 +7,7 @@
     .venv/bin/python bench/bench_vs_trl.py --model smollm2-135m-instruct --rounds 1 --steps 6
     .venv/bin/python bench/bench_vs_trl.py --profile # one py-spy'd run of each side: where the time goes
     .venv/bin/python bench/bench_vs_trl.py --rows ray dp2 bf16   # + rlkit on a Ray worker, at dp=2; both sides in bf16
+    .venv/bin/python bench/bench_vs_trl.py --base 7d02e3e        # + every rlkit run at another commit, interleaved
 
 The work, per step: 2 prompts x 4 completions x up to 32 new tokens (temperature 1), reward = the share of
 completion tokens equal to the token "e", one optimizer step (lr 1e-3, constant, grad-norm clip 1.0), no
@@ -83,6 +84,40 @@ def plan_runs(args: argparse.Namespace) -> list[dict]:
 
 def med(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
+
+
+def with_base(runs: list[dict], rev: str, out: Path) -> tuple[list[dict], Path]:
+    """``runs`` and, after each rlkit run, its twin at commit ``rev``: that commit's rlkit_worker.py on that
+    commit's rlkit (a detached git worktree under ``out``, first on PYTHONPATH), the same flags."""
+    sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout.strip()
+    tree = out / f"base-{sha}"
+    if not (tree / "rlkit").is_dir():
+        subprocess.run(["git", "worktree", "add", "--detach", "--force", str(tree), sha], cwd=ROOT, check=True,
+                       capture_output=True)
+    both = []
+    for x in runs:
+        both.append(x)
+        if x["side"] == "rlkit":
+            cmd = [c if not c.endswith("rlkit_worker.py") else str(tree / "bench" / "rlkit_worker.py") for c in x["cmd"]]
+            both.append(dict(x, label=f"{x['label']} @{sha}", key=f"{x.get('key', x['engine'])}-{sha}", cmd=cmd,
+                             env={"PYTHONPATH": str(tree)}, base_of=x["label"]))
+    return both, tree
+
+
+def base_table(results: dict[str, list[dict]], runs: list[dict]) -> str:
+    """This checkout against the base commit, per configuration: median steps/s of each and the median
+    of the per-round ratios (the two ran minutes apart in the same round)."""
+    out = ["| configuration | steps/s this checkout | steps/s base | this / base | same, median of per-round ratios |",
+           "| --- | ---: | ---: | ---: | ---: |"]
+    for x in runs:
+        if "base_of" not in x or not results[x["label"]] or not results[x["base_of"]]:
+            continue
+        head, base = results[x["base_of"]], results[x["label"]]
+        h, b = med([r["steps_per_s"] for r in head]), med([r["steps_per_s"] for r in base])
+        paired = med([a["steps_per_s"] / c["steps_per_s"] for a, c in zip(head, base)])
+        out.append(f"| {x['base_of']} | {h:.2f} | {b:.2f} | {h / b:.3f}x | {paired:.3f}x |")
+    return "\n".join(out)
 
 
 def table(results: dict[str, list[dict]], runs: list[dict]) -> str:
@@ -317,6 +352,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads for both sides (default: each side's own: TRL one per core, rlkit 1 per rank)")
     ap.add_argument("--profile", action="store_true", help="one py-spy'd run per side instead of the rounds")
+    ap.add_argument("--base", default=None, help="a commit: also run every rlkit configuration at it, "
+                                                 "interleaved in the same rounds (a speed change, side by side)")
     ap.add_argument("--rows", nargs="*", default=[], choices=("ray", "dp2", "bf16"),
                     help="more rlkit runs: ray (one Ray worker), dp2 (2 Ray ranks, same global batch), bf16 "
                          "(a bf16 rollout engine)")
@@ -330,6 +367,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     model = model_folder(args.model)
     runs = plan_runs(args)
+    base_tree = None
+    if args.base:
+        runs, base_tree = with_base(runs, args.base, out)
     threads = ["--threads", str(args.threads)] if args.threads else []
     if args.profile:
         profile_runs(runs, model, args.steps, out, args.timeout, threads, Path(args.trl_python).parent / "py-spy")
@@ -359,6 +399,9 @@ def main() -> None:
                                                   "failed": failed}, indent=1))
     runs = [x for x in runs if results[x["label"]]]
     print("\n\n".join(["", table(results, runs), phase_table(results, runs), startup_table(results, runs)]))
+    if base_tree is not None:
+        print("\n" + base_table(results, runs))
+        subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT, capture_output=True)
     for label, why in failed.items():
         print(f"\n{label}: failed, {why}")
 

@@ -167,6 +167,7 @@ def run_one(run: dict, model: str, steps: int, log: Path, timeout_s: float, extr
     if "--threads" in extra:  # the OpenMP pool is sized at torch's import: set it before, too
         env["OMP_NUM_THREADS"] = extra[list(extra).index("--threads") + 1]
     env.pop("VIRTUAL_ENV", None)
+    env.update(run.get("env", {}))  # e.g. PYTHONPATH of another commit's checkout (bench_vs_trl --base)
     load = os.getloadavg()[0]  # another session on the same cores shows here (steps/s then drops)
     t0 = time.perf_counter()
     proc = subprocess.run([*run["cmd"], model, str(steps), *extra], capture_output=True, text=True, env=env,

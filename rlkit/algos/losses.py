@@ -153,15 +153,16 @@ def entropy_from_logprobs(logprobs: torch.Tensor) -> torch.Tensor:
     """Entropy ``H = -sum p log p`` over the last dim, from log-probabilities (a ``log_softmax``).
 
     The one entropy rlkit computes: ``rlkit.parallel.token_logprobs`` calls it on the log-softmax it
-    already has for the sampled tokens' log-probs. A ``-inf`` log-prob (a masked vocabulary entry,
-    probability exactly 0) adds 0 rather than ``0 * inf = NaN``, with a finite gradient.
+    already has for the sampled tokens' log-probs, so autograd keeps nothing more than that and its
+    ``exp``. The log-probs must be finite (those of a linear head's logits are; a vocabulary masked to
+    ``-inf`` would give ``0 * inf = NaN``: mask with a large negative number instead).
 
     >>> import torch
-    >>> logits = torch.tensor([[0., 0., 0., 0.], [1e4, 0., 0., 0.], [0., 0., -float("inf"), 0.]])
+    >>> logits = torch.tensor([[0., 0., 0., 0.], [1e4, 0., 0., 0.], [0., 0., -1e30, 0.]])
     >>> entropy_from_logprobs(logits.log_softmax(-1)).abs()   # abs: 0 * -1e4 sums to -0.0
     tensor([1.3863, 0.0000, 1.0986])
     """
-    return -(logprobs.exp() * logprobs.clamp(min=torch.finfo(logprobs.dtype).min)).sum(-1)
+    return -(logprobs.exp() * logprobs).sum(-1)
 
 
 def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, coef: float,
