@@ -184,8 +184,11 @@ class Trainer:
         with _timer(t, "advantage"):
             kl_mean = self._advantages(batch, scores, gen, sampling_logprobs)
         settings = self.update_settings()
+        critic = {}
+        if self.algo.needs_critic:
+            with _timer(t, "update_critic"):
+                critic = w.update_critic(batch, settings)
         with _timer(t, "update"):
-            critic = w.update_critic(batch, settings) if self.algo.needs_critic else {}
             actor = w.update_actor(batch, settings)
         self.step += 1
         row = self._row(t, t_step, gen, sync, scores, valid, mask, batch, kl_mean, settings, actor, critic)

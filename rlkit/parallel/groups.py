@@ -47,12 +47,14 @@ class ProcessGroups:
     """One rank's groups for training under ``plan`` (steps 1 and 2 of the module docstring).
 
     ``mesh``: the plan's DeviceMesh. ``tied_ends``: this rank's group of its pipeline's first and last
-    stage (None unless built with ``tied_ends=True`` and ``pp > 1``).
+    stage (None on the stages between, and unless built with ``tied_ends=True`` and ``pp > 1``);
+    ``has_tied_ends``: whether those groups were built.
     """
 
     plan: ParallelPlan
     mesh: DeviceMesh
     tied_ends: Any = None
+    has_tied_ends: bool = False
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
@@ -103,8 +105,9 @@ def build_groups(plan: ParallelPlan, *, tied_ends: bool = False, device: str | N
     mesh = init_device_mesh(device or device_type(), shape, mesh_dim_names=names)
     if hsdp:
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    ends = _pipeline_ends(plan, dist.get_rank()) if tied_ends and plan.pp > 1 else None
-    return ProcessGroups(plan, mesh, ends)
+    built = tied_ends and plan.pp > 1
+    ends = _pipeline_ends(plan, dist.get_rank()) if built else None
+    return ProcessGroups(plan, mesh, ends, built)
 
 
 def build_generation_groups(layout: GenerationLayout, device: str | None = None) -> GenerationGroups:

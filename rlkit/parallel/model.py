@@ -145,10 +145,10 @@ class ParallelModel:
             materialize(self.stages, CheckpointReader(model), self.device, self.config, extra=value_init)
         self.has_first = 0 in self.stage_ids
         self.has_last = plan.n_stages - 1 in self.stage_ids
-        self._tied_group = None
+        self._tied_group = None  # on a pipeline's first and last stage: the group summing the copies' grads
         if self.tied and plan.pp > 1:
-            if self.groups.tied_ends is None:
-                raise PlanError("a tied embedding under pp > 1 needs its pipeline-ends group: build the groups "
+            if not self.groups.has_tied_ends:
+                raise PlanError("a tied embedding under pp > 1 needs its pipeline-ends groups: build the groups "
                                 "with rlkit.parallel.groups.build_groups(plan, tied_ends=True)")
             self._tied_group = self.groups.tied_ends
         self.params = [p for st in self.stages for p in st.parameters()]

@@ -45,8 +45,8 @@ if TYPE_CHECKING:
 
 MODES = ("auto", "widget", "tqdm", "none")
 # The phases of one RL step, stacked in dataflow order (the trainer's `timing/<phase>` keys).
-PHASES = ("generate", "reward", "ref", "values", "advantage", "update", "sync")
-PHASE_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3")
+PHASES = ("sync", "generate", "reward", "ref", "values", "old_logprobs", "advantage", "update_critic", "update")
+PHASE_COLORS = ("#DA8BC3", "#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8C8C8C", "#8172B3", "#CCB974", "#937860")
 # Scalar curves: (title, key). The reward, timing and memory panels are drawn specially.
 LINE_PANELS = (("KL", "kl"), ("entropy", "entropy"), ("response length", "response_length/mean"))
 RANK_KEY = re.compile(r"^memory/rss_gb/rank(\d+)$")
