@@ -101,7 +101,7 @@ def with_base(runs: list[dict], rev: str, out: Path) -> tuple[list[dict], Path]:
         if x["side"] == "rlkit":
             cmd = [c if not c.endswith("rlkit_worker.py") else str(tree / "bench" / "rlkit_worker.py") for c in x["cmd"]]
             both.append(dict(x, label=f"{x['label']} @{sha}", key=f"{x.get('key', x['engine'])}-{sha}", cmd=cmd,
-                             env={"PYTHONPATH": str(tree)}, base_of=x["label"]))
+                             env={"PYTHONPATH": str(tree)}, cwd=tree, base_of=x["label"]))
     return both, tree
 
 

@@ -170,8 +170,10 @@ def run_one(run: dict, model: str, steps: int, log: Path, timeout_s: float, extr
     env.update(run.get("env", {}))  # e.g. PYTHONPATH of another commit's checkout (bench_vs_trl --base)
     load = os.getloadavg()[0]  # another session on the same cores shows here (steps/s then drops)
     t0 = time.perf_counter()
+    # in the run's own checkout (bench_vs_trl --base): Ray puts the driver's working folder first on its
+    # workers' sys.path, so from the repo root they would import this checkout's rlkit
     proc = subprocess.run([*run["cmd"], model, str(steps), *extra], capture_output=True, text=True, env=env,
-                          timeout=timeout_s, cwd=ROOT)
+                          timeout=timeout_s, cwd=run.get("cwd", ROOT))
     wall = time.perf_counter() - t0
     log.write_text(f"$ {' '.join(run['cmd'])} {model} {steps} {' '.join(extra)}\n--- stdout\n{proc.stdout}"
                    f"\n--- stderr\n{proc.stderr}")

@@ -30,6 +30,7 @@ registers in a notebook cell trains through ``rlkit.Trainer(algorithm=...)`` lik
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -207,10 +208,19 @@ def call_policy_loss(fn: PolicyLoss, logprobs: torch.Tensor, old_logprobs: torch
     >>> loss.item(), m["clipfrac"]
     (-1.0, 0.0)
     """
-    params = inspect.signature(fn).parameters
-    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    kwargs = {k: v for k, v in settings.items() if takes_all or k in params}
+    takes = _keywords(fn)
+    kwargs = {k: v for k, v in settings.items() if takes is None or k in takes}
     return fn(logprobs, old_logprobs, advantages, response_mask, **kwargs)
+
+
+@functools.lru_cache(maxsize=64)
+def _keywords(fn: Callable[..., Any]) -> frozenset[str] | None:
+    """The parameter names ``fn`` takes (None: it takes any keyword); read once per function, since a
+    loss is called for every micro-batch."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return frozenset(params)
 
 
 @dataclass(frozen=True)
