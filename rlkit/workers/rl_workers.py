@@ -77,7 +77,7 @@ class RLWorkers:
         if closed:
             warnings.warn(f"rlkit: closed the earlier {', '.join(closed)} to free its workers for this one "
                           f"(a notebook cell run again?); close trainers yourself with trainer.close() to keep "
-                          f"control", stacklevel=3)
+                          f"control", stacklevel=4)
         pools = placement.reserve(cluster, cpus_per_worker=cpus)
         try:
             group = WorkerGroup(cluster, plan, RLWorker, *args, **kwargs, pool=pools["actor"], owns_pool=True,
