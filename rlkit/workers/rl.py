@@ -191,14 +191,12 @@ class RLWorker:
 
     # ---- weights out ---------------------------------------------------------------------------
     def send_weights(self) -> tuple[dict[str, torch.Tensor] | None, SyncReport]:
-        """For a rollout group of its own (split placement): the full actor weights on rank 0 (None
-        elsewhere), and this rank's part of the sync. A collective."""
-        self._training_layout()
+        """For a rollout group of its own (split placement): ``full_weights`` and this rank's part of the
+        sync. A collective."""
         t0 = time.perf_counter()
-        sd = self.actor.full_state_dict(to=0)
-        report = SyncReport(bytes=self.actor.last_transfer.get("bytes", 0.0), seconds=time.perf_counter() - t0,
-                            rss_gb=_rss_gb())
-        return (sd if self.rank == 0 else None), report
+        sd = self.full_weights()
+        return sd, SyncReport(bytes=self.actor.last_transfer.get("bytes", 0.0), seconds=time.perf_counter() - t0,
+                              rss_gb=_rss_gb())
 
     def full_weights(self) -> dict[str, torch.Tensor] | None:
         """Full HF-named actor weights on rank 0 (None elsewhere). A collective."""
