@@ -21,7 +21,10 @@ from rlkit.widgets.live import (
     in_notebook,
     metrics_figure,
     panels,
+    readable,
+    readable_samples,
     save_plots,
+    short_label,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -265,6 +268,48 @@ def test_auto_mode_and_bad_input():
     view.close()
     with pytest.raises(RuntimeError, match="after close"):
         view.update({"step": 1})
+
+
+# ---- labels and samples a person can read -----------------------------------------------------------
+TRAINER_TITLE = "grpo on dp=2 x tp=1 x pp=1 = 2 ranks; DP full_shard"  # what Trainer.fit passes
+
+
+def test_a_long_title_labels_the_bar_short_and_keeps_a_line_of_its_own(rows):
+    assert short_label(TRAINER_TITLE) == "grpo" and short_label("run") == "run"
+    assert short_label("x" * 40) == "x" * 23 + "…" and len(short_label("x" * 40)) == 24
+    out = io.StringIO()
+    with LiveView(3, mode="tqdm", file=out, title=TRAINER_TITLE) as view:
+        for row in rows[:3]:
+            view.update(row)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == TRAINER_TITLE and "grpo: " in lines[-1] and "3/3" in lines[-1], lines
+    view = LiveView(3, mode="widget", title=TRAINER_TITLE)
+    progress, status, _ = view.widget.children
+    # the label whole (its width is the text's, not a fixed 90 px), the full title in the tooltip and
+    # on its own line over the status
+    assert progress.description == "grpo" and progress.style.description_width == "initial"
+    assert progress.tooltip == TRAINER_TITLE
+    view.update(rows[0])
+    assert status.value.index(TRAINER_TITLE) < status.value.index("step 1/3")
+    view.close()
+    short = LiveView(3, mode="widget", title="run")  # a short title is the label, said once
+    assert short.widget.children[0].description == "run" and "run" not in short.widget.children[1].value
+
+
+def test_completions_show_as_text_or_ids():
+    junk = "\ufffd\ufffdq\ufffdcemh|icear\ufffd\x08"  # a random tiny model's sample, as decoded
+    assert readable("dddddddd") == "dddddddd" and readable("") == "" and readable(None) == ""
+    assert readable("a b\nc") == "a b\\nc"  # one table row
+    assert readable(junk) == "\\ufffd\\ufffdq\\ufffdcemh|icear\\ufffd\\x08"  # every lost byte visible
+    assert "\ufffd" not in readable(junk) and readable(junk).isprintable()
+    assert readable(junk, ids=[301, 87, 40]) == "[ids 301 87 40]"
+    assert readable("ddd", ids=[70, 70, 70]) == "ddd"  # printable text wins over ids
+    df = pd.DataFrame({"step": [1, 1, 1], "prompt": ["ccc"] * 3, "completion": ["cccc", junk, junk],
+                       "completion_ids": [[67] * 4, [301, 87], float("nan")], "reward": [1.0, 0.0, 0.0]})
+    shown = readable_samples(df)
+    assert shown["completion"].tolist() == ["cccc", "[ids 301 87]", readable(junk)]
+    assert df["completion"].tolist()[1] == junk and shown["reward"].tolist() == [1.0, 0.0, 0.0]  # a copy
+    assert readable_samples(df.drop(columns="completion_ids"))["completion"].tolist()[1] == readable(junk)
 
 
 # ---- run directory -----------------------------------------------------------------------------------

@@ -97,6 +97,81 @@ def _fmt(x: Any, digits: int = 3) -> str:
     return f"{x:.{digits}g}"
 
 
+LABEL_CHARS = 24  # a progress label longer than this is shortened (the full title gets its own line)
+
+
+def short_label(title: str, width: int = LABEL_CHARS) -> str:
+    """A progress-bar label that fits: ``title`` itself when short, else its head before " on " (the
+    trainer's titles read "<algorithm> on <plan>"), else its first ``width - 1`` characters and "…".
+
+    >>> short_label("grpo"), short_label("grpo on dp=2 x tp=1 x pp=1 = 2 ranks; DP full_shard")
+    ('grpo', 'grpo')
+    >>> short_label("a very long run name without a plan in it")
+    'a very long run name wi…'
+    """
+    title = " ".join(str(title).split())  # one line
+    if len(title) <= width:
+        return title
+    head = title.split(" on ", 1)[0]
+    return head if 0 < len(head) < len(title) and len(head) <= width else title[:width - 1] + "…"
+
+
+# ---- completions as text a person can read -------------------------------------------------------------
+# A tiny model's samples are often pieces of UTF-8 byte sequences: the tokenizer decodes those as U+FFFD
+# (the replacement character), which hides what was generated. Whitespace other than a space is shown
+# escaped too, so a sample stays on one table row.
+
+
+def _bad(ch: str) -> bool:
+    """Not printable: a control, format or unassigned character, or U+FFFD (a lost byte)."""
+    return ch == "\ufffd" or not (ch.isprintable() or ch in "\n\t\r")
+
+
+def _escaped(ch: str) -> str:
+    return ch.encode("unicode_escape").decode("ascii")  # "\ufffd" -> r"\ufffd", "\n" -> r"\n"
+
+
+def readable(completion: Any, ids: Any = None, max_ids: int = 24) -> str:
+    r"""One completion as a table cell a person can read: its text when every character is printable
+    (newlines and tabs escaped, so it stays on one line); else, when its token ids are given, the ids as
+    ``[ids 12 7 …]``; else the text with each unprintable character escaped (U+FFFD, what a tokenizer
+    makes of a lone byte, shows as ``\ufffd``).
+
+    >>> readable("dddd"), readable("a\nb")
+    ('dddd', 'a\\nb')
+    >>> print(readable("\ufffdq\x08c"))
+    \ufffdq\x08c
+    >>> readable("\ufffdq\x08c", ids=[301, 87, 40, 67])
+    '[ids 301 87 40 67]'
+    >>> readable("\ufffd" * 3, ids=range(30), max_ids=4)
+    '[ids 0 1 2 3 … (30 tokens)]'
+    """
+    text = "" if completion is None else str(completion)
+    if isinstance(ids, float):  # a missing cell of a DataFrame's ids column (NaN)
+        ids = None
+    if any(_bad(ch) for ch in text) and ids is not None:
+        ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+        shown = " ".join(map(str, ids[:max_ids]))
+        return f"[ids {shown}{f' … ({len(ids)} tokens)' if len(ids) > max_ids else ''}]"
+    return "".join(_escaped(ch) if _bad(ch) or ch in "\n\t\r" else ch for ch in text)
+
+
+def readable_samples(samples: pd.DataFrame, column: str = "completion", ids_column: str = "completion_ids",
+                     ) -> pd.DataFrame:
+    r"""``trainer.samples()`` with each completion shown by ``readable`` (a copy; the rewards were computed
+    on the raw text). Uses the token ids of column ``ids_column`` where the frame has it.
+
+    >>> df = pd.DataFrame({"prompt": ["ccc", "ccc"], "completion": ["cccc", "\ufffdc"], "reward": [1.0, 0.25]})
+    >>> readable_samples(df)["completion"].tolist()
+    ['cccc', '\\ufffdc']
+    """
+    out = samples.copy()
+    if column in out.columns and len(out):
+        ids = out[ids_column] if ids_column in out.columns else [None] * len(out)
+        out[column] = [readable(text, i) for text, i in zip(out[column], ids)]
+    return out
+
+
 # ---- the panels --------------------------------------------------------------------------------------
 def _reward_panel(ax: Any, df: pd.DataFrame, x: Any, rolling: int) -> None:
     """Per-step mean reward as points, its rolling mean as a line, and a band of ± the (rolling) batch
@@ -279,6 +354,9 @@ class LiveView:
     """Live training curves: ``update(row)`` after each step, ``close()`` at the end.
 
     ``mode``: "auto" picks "widget" inside a Jupyter kernel and "tqdm" elsewhere; "none" only records.
+    ``title``: what runs (the trainer's "grpo on dp=2 x tp=1 x pp=1 = 2 ranks; DP full_shard"); the bar is
+    labelled ``label`` (default: ``short_label(title)``, "grpo") and a longer title gets a line of its own
+    (above the tqdm bar; over the status line and as the bar's tooltip in the widget).
     ``every``: redraw the figure at most every that many steps (the bar and status line update each step).
     ``rolling``: window of the rolling reward. ``file``: where the tqdm bar writes (default stderr).
 
@@ -298,7 +376,7 @@ class LiveView:
     max_draw_share = 0.2
 
     def __init__(self, total_steps: int | None = None, *, every: int = 1, rolling: int = 10, title: str = "",
-                 mode: str = "auto", file: IO[str] | None = None) -> None:
+                 mode: str = "auto", file: IO[str] | None = None, label: str | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"LiveView(mode={mode!r}): mode must be one of {MODES}")
         if total_steps is not None and int(total_steps) < 0:
@@ -307,6 +385,7 @@ class LiveView:
             raise ValueError(f"LiveView(every={every}, rolling={rolling}): both must be >= 1")
         self.total_steps = None if total_steps is None else int(total_steps)
         self.every, self.rolling, self.title = int(every), int(rolling), title
+        self.label = short_label(title or "train") if label is None else label
         self.mode = ("widget" if in_notebook() else "tqdm") if mode == "auto" else mode
         self.rows: list[dict[str, Any]] = []
         self.draw_s = 0.0  # seconds the last redraw took (figure + PNG)
@@ -324,7 +403,10 @@ class LiveView:
         elif self.mode == "tqdm":
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=self.total_steps, desc=title or "train", unit="step", file=file,
+            if self._title_line():
+                # its own line, on the bar's stream: the bar keeps its width
+                tqdm.write(self._title_line(), file=file if file is not None else sys.stderr)
+            self._bar = tqdm(total=self.total_steps, desc=self.label, unit="step", file=file,
                              dynamic_ncols=True, leave=True)
 
     # -- the data ----------------------------------------------------------------------------------
@@ -455,16 +537,25 @@ class LiveView:
             parts.append(f"s/step={_fmt(sps, 2)}")
         return " ".join(parts)
 
+    def _title_line(self) -> str:
+        """The full title when the bar's label does not already say it all ("" otherwise)."""
+        title = " ".join(self.title.split())
+        return title if title and title != self.label else ""
+
     # -- the widget --------------------------------------------------------------------------------
     def _status_html(self) -> str:
-        return f"<span style='font-family:monospace'>{html.escape(self.status_text())}</span>"
+        status = f"<span style='font-family:monospace'>{html.escape(self.status_text())}</span>"
+        if not self._title_line():
+            return status
+        return f"<div style='font-weight:bold'>{html.escape(self._title_line())}</div>{status}"
 
     def _build_widget(self) -> None:
         import ipywidgets as W
 
+        # description_width "initial": the label at its own width, never cut to "grpo on d..."
         self._progress = W.IntProgress(value=0, min=0, max=max(self.total_steps or 0, 1),
-                                       description=self.title or "train", bar_style="info",
-                                       layout=W.Layout(width="60%"))
+                                       description=self.label, tooltip=self.title or None, bar_style="info",
+                                       style={"description_width": "initial"}, layout=W.Layout(width="60%"))
         self._status = W.HTML(value=self._status_html())
         self._image = W.Image(format="png", layout=W.Layout(max_width="100%"))
         self.widget = W.VBox([self._progress, self._status, self._image])
