@@ -42,3 +42,15 @@ class TrainerError(RlkitError, ValueError):
 
 class RewardError(TrainerError):
     """A reward function that raised or returned something other than one number per completion."""
+
+
+class CheckpointError(RlkitError):
+    """A checkpoint that cannot be read or written: a missing or damaged file, another model's or a newer
+    rlkit's checkpoint. The message names the file and what to do (``rlkit.checkpoint``).
+
+    >>> from rlkit.checkpoint import read_state
+    >>> read_state("no/such/checkpoint")
+    Traceback (most recent call last):
+    ...
+    rlkit.errors.CheckpointError: no checkpoint at ...no/such/checkpoint: the folder does not exist; pass the folder that trainer.save(...) returned
+    """

@@ -319,27 +319,72 @@ class Trainer:
 
     # ---- save / load -----------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> str:
-        """Actor (and critic) sharded state + trainer state; atomic (a temp folder renamed into place)."""
+        """Actor (and critic) sharded state + trainer state; atomic (a temp folder renamed into place).
+
+        ``trainer.json`` records the checkpoint format and rlkit's version, ``model_config.json`` the
+        model's config: ``load`` checks both (``rlkit.checkpoint``)."""
+        from rlkit import checkpoint
+
         path = Path(path).absolute()
         with atomic.folder(path) as tmp:
             self.workers.save(str(tmp))
+            checkpoint.write_model_config(tmp, self.model_path)
             state = {"step": self.step, "rows": self._rows_log, "kl_coef": getattr(self.kl_ctl, "value", None),
-                     **self._state_config()}
+                     **checkpoint.stamp(), **self._state_config()}
             (tmp / "trainer.json").write_text(json.dumps(state, default=str))
         return str(path)
+
+    def save_pretrained(self, path: str | os.PathLike, *, dtype: str | torch.dtype | None = None) -> str:
+        """The trained actor as a plain Hugging Face checkpoint folder, from any layout: config, safetensors
+        weights (a tied lm_head written once), generation config, tokenizer and chat template. It loads with
+        ``AutoModelForCausalLM.from_pretrained(path)`` and ``vllm.LLM(path)``. Written atomically; an earlier
+        ``save_pretrained`` folder at ``path`` is replaced. ``dtype`` casts the weights (default: the
+        actor's, fp32). Returns the path. A critic is not included (``save`` keeps it).
+
+        >>> trainer.fit(steps=20)                                                   # doctest: +SKIP
+        >>> path = trainer.save_pretrained("runs/final")                            # doctest: +SKIP
+        >>> model = transformers.AutoModelForCausalLM.from_pretrained(path)         # doctest: +SKIP
+        """
+        from rlkit import checkpoint
+
+        if self.workers is None:
+            raise TrainerError("this Trainer was closed (trainer.close(), or a newer Trainer in this notebook took "
+                               "its workers); Trainer.load a checkpoint and save_pretrained from it")
+        target = checkpoint.pretrained_target(path, self.model_path)  # refused before any gather
+        return checkpoint.write_pretrained(target, self.workers.full_weights(), self.model_path,
+                                           tokenizer=self.tokenizer, dtype=dtype)
 
     @classmethod
     def load(cls, path: str | os.PathLike, dataset: Any, reward: Any = None, cluster: Any = None,
              callbacks: Sequence[Callable] = (), **overrides: Any) -> Trainer:
-        """Resume from ``save``: same model, plan, rollout and config; pass the same dataset and reward."""
-        path = Path(path)
-        state = json.loads((path / "trainer.json").read_text())
+        """Resume from ``save``: same model, plan, rollout and config; pass the same dataset and reward.
+
+        The checkpoint is checked in the driver before workers start (``rlkit.checkpoint``): a missing or
+        damaged file, another model's checkpoint or a newer rlkit's is a ``CheckpointError`` naming the file
+        and the fix. Loading never writes into ``path``."""
+        from rlkit import checkpoint
+        from rlkit.errors import CheckpointError, WorkerError
+
+        path = Path(path).expanduser().absolute()
+        state = checkpoint.read_state(path)
+        try:
+            plan = ParallelPlan(**state["plan"])
+            model = resolve_checkpoint(state["model"])
+            needs_critic = get_algorithm(state["algorithm"]).needs_critic
+        except (TypeError, ValueError) as e:  # a plan, model or algorithm that is not there any more
+            raise CheckpointError(f"{path / 'trainer.json'}: {e}") from None
+        roles = [("actor", "lm")] + ([("critic", "value")] if needs_critic else [])
+        checkpoint.check_checkpoint(path, state, model, plan.world_size, roles)
         config = TrainerConfig(**{**state["config"], **overrides})
-        self = cls(state["model"], dataset, reward, state["algorithm"], plan=ParallelPlan(**state["plan"]),
+        self = cls(state["model"], dataset, reward, state["algorithm"], plan=plan,
                    rollout=Rollout(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["rollout"].items()}),
                    cluster=cluster, config=config, callbacks=callbacks, placement=state.get("placement", "colocated"),
                    rollout_workers=state.get("rollout_workers") or 1)
-        self.workers.load(str(path.absolute()))  # the engines follow at the next step's sync
+        try:
+            self.workers.load(str(path))  # the engines follow at the next step's sync
+        except WorkerError as e:  # what the driver could not see: the workers' half-loaded state is dropped
+            self.close()
+            raise checkpoint.worker_failure(path, e) from None
         self.step, self._rows_log = state["step"], [r for r in state["rows"] if r.get("step", 0) <= state["step"]]
         if state.get("kl_coef") is not None and hasattr(self.kl_ctl, "value"):
             self.kl_ctl.value = state["kl_coef"]

@@ -29,11 +29,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from rlkit import atomic
 from rlkit.checks import choice
-from rlkit.errors import PlanError
+from rlkit.errors import CheckpointError, PlanError
 from rlkit.parallel.apply import apply_ac, apply_fsdp, apply_tp
 from rlkit.parallel.groups import ProcessGroups, build_groups, device_type
 from rlkit.parallel.loading import CheckpointReader, can_load_sharded, empty_model, materialize
@@ -444,7 +445,12 @@ class ParallelModel:
         dist.broadcast_object_list(box, src=0)
         tmp = Path(box[0])
         msd, osd = get_state_dict(self._root(), self.optimizer)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+        try:
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp))
+        except CheckpointException as e:  # a BaseException: never let it leave the rank as one
+            raise CheckpointError(f"could not write the checkpoint {path} (every rank stops: {_first_failure(e)}); "
+                                  f"{path} is untouched, the write went to a temporary folder beside it. Check "
+                                  f"the disk's free space and permissions") from None
         torch.save({"step": self.step, "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
                     "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
                    tmp / f"extra_rank{self.rank}.pt")
@@ -455,24 +461,41 @@ class ParallelModel:
         return str(path)
 
     def load(self, path: str | os.PathLike) -> None:
-        """Restore what ``save`` wrote (same plan and world size) for an exact resume."""
+        """Restore what ``save`` wrote (same plan and world size) for an exact resume.
+
+        A missing, truncated or foreign file raises ``CheckpointError`` naming it on every rank (torch's
+        ``CheckpointException``, a ``BaseException``, never leaves the rank). Reads only."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        from rlkit.checkpoint import damage_report
+
         path = Path(path)
-        if not (path / f"extra_rank{self.rank}.pt").exists():
-            raise FileNotFoundError(f"{path} is not a complete rlkit checkpoint for rank {self.rank} "
-                                    f"(missing extra_rank{self.rank}.pt); was it saved with the same plan?")
+        extra_file = path / f"extra_rank{self.rank}.pt"
+        try:
+            extra, problem = torch.load(extra_file, weights_only=False), None
+        except Exception as e:  # missing or cut short; every rank hears of it below (no one left waiting)
+            extra = None
+            problem = (f"{extra_file} is missing: {path} is not a complete rlkit checkpoint for rank {self.rank}; "
+                       f"was it saved with the same plan?") if not extra_file.is_file() else \
+                (f"{extra_file} is truncated or damaged ({type(e).__name__}: {_one_line(e)}): rank "
+                 f"{self.rank}'s step and RNG state; copy the checkpoint again from where it was saved")
+        problems: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        if any(problems):
+            raise CheckpointError(next(p for p in problems if p))
         root = self._root()
         msd, osd = get_state_dict(root, self.optimizer)
         # Hyper-parameters come from this optimizer, not the file: DCP round-trips the tensors
         # reliably, but drops non-tensor param-group entries of stages other ranks also hold.
         groups = copy.deepcopy(osd["param_groups"])
         state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(path))
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except CheckpointException as e:  # every rank gets it (DCP gathers the failures)
+            raise damage_report(path, e) from None
         state["optim"]["param_groups"] = groups
         set_state_dict(root, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        extra = torch.load(path / f"extra_rank{self.rank}.pt", weights_only=False)
         self.step = extra["step"]
         torch.set_rng_state(extra["torch_rng"])
         random.setstate(extra["py_rng"])
@@ -548,6 +571,18 @@ class ParallelModel:
         if self.plan.pipeline_schedule == "interleaved-1f1b":  # chunks of layers/v (Megatron warm-up)
             return min(2 * (pp - r - 1) + (v - 1) * pp + 1, m * v) / v
         return min(m, pp - r)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+def _first_failure(e: CheckpointException) -> str:
+    """The first rank's failure inside torch's ``CheckpointException``, in one line."""
+    for rank, (err, _trace) in e.failures.items():
+        return f"rank {rank}: {type(err).__name__}: {_one_line(err)}"
+    return "no failure recorded"
 
 
 def _split(batch: dict[str, Any], m: int):

@@ -161,6 +161,10 @@ class RLWorkers:
         """Every rank's training state from ``save``'s folder; the engines follow at the next sync."""
         self.group.call(RLWorker.load, path, timeout=self.timeout_s)
 
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The actor's full HF-named weights (CPU), gathered from every rank's shards to the driver."""
+        return self.group.call(RLWorker.full_weights, timeout=self.timeout_s)[0]
+
     def close(self) -> None:
         """Close the workers politely (bounded), then shut the groups down. Idempotent."""
         for group in (self.rollout_group, self.group):
