@@ -30,11 +30,16 @@ class RewardFunctions:
 
     @classmethod
     def of(cls, reward: Any, task: Any = None) -> RewardFunctions:
-        """From the Trainer's ``reward=``: a function, a list of ``(f, weight)``, a dict ``{f: weight}``, or
-        None for the task's own ``reward``. Raises ``TrainerError`` naming what is not a reward.
+        """From the Trainer's ``reward=``: a function, a list of functions and ``(f, weight)`` pairs (a bare
+        function weighs 1.0), a dict ``{f: weight}``, or None for the task's own ``reward``. Raises
+        ``TrainerError`` naming what is not a reward, and its type.
 
         >>> len(RewardFunctions.of(lambda prompts, completions, **_: [0.0] * len(prompts)).fns)
         1
+        >>> RewardFunctions.of([3])
+        Traceback (most recent call last):
+        ...
+        rlkit.errors.TrainerError: reward entry 3 (an int) is neither a function nor an (f, weight) pair; give functions f(prompts, completions, **columns) -> list[float], e.g. reward=[correct, (short, 0.1)]
         """
         if reward is None:
             if task is None:
@@ -43,17 +48,25 @@ class RewardFunctions:
         if callable(reward):
             return cls([(reward, 1.0)])
         if not isinstance(reward, (list, tuple, dict)):
-            raise TrainerError(f"reward={reward!r} is not a reward: give f(prompts, completions, **columns) -> "
-                               f"list[float], a list of (f, weight) pairs, or a dict {{f: weight}}")
-        pairs = list(reward.items() if isinstance(reward, dict) else reward)
-        bad = next((p for p in pairs if not (isinstance(p, (list, tuple)) and len(p) == 2)), None)
+            raise TrainerError(f"reward={reward!r} ({_a(reward)}) is not a reward: give f(prompts, completions, "
+                               f"**columns) -> list[float], a list of functions or (f, weight) pairs, or a dict "
+                               f"{{f: weight}}")
+        if isinstance(reward, tuple) and len(reward) == 2 and callable(reward[0]) and not callable(reward[1]):
+            reward = [reward]  # one (f, weight) pair
+        entries = list(reward.items() if isinstance(reward, dict) else reward)
+        if not entries:
+            raise TrainerError(f"reward={reward!r} holds no reward function; give at least one f(prompts, "
+                               f"completions, **columns) -> list[float]")
+        fns = [(e, 1.0) if callable(e) else e for e in entries]
+        bad = next((e for e, p in zip(entries, fns) if not (isinstance(p, (list, tuple)) and len(p) == 2)), None)
         if bad is not None:
-            raise TrainerError(f"reward entry {bad!r} is not an (f, weight) pair; give a list of (f, weight) "
-                               f"pairs, e.g. reward=[(correct, 1.0), (short, 0.1)]")
-        fns = [(f, w) for f, w in pairs]
+            raise TrainerError(f"reward entry {bad!r} ({_a(bad)}) is neither a function nor an (f, weight) pair; "
+                               f"give functions f(prompts, completions, **columns) -> list[float], e.g. "
+                               f"reward=[correct, (short, 0.1)]")
         bad_fn = [f for f, _ in fns if not callable(f)]
         if bad_fn:
-            raise TrainerError(f"reward {bad_fn[0]!r} is not callable; give f(prompts, completions, **columns)")
+            raise TrainerError(f"reward {bad_fn[0]!r} is not callable ({_a(bad_fn[0])}); give f(prompts, "
+                               f"completions, **columns)")
         try:
             return cls([(f, float(w)) for f, w in fns])
         except (TypeError, ValueError):
@@ -85,6 +98,12 @@ class RewardFunctions:
                 raise RewardError(f"reward function {name} returned a non-number: {e}") from e
             total += weight * vals
         return total.float()
+
+
+def _a(value: Any) -> str:
+    """``value``'s type with its article, for messages: "an int", "a str"."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 __all__ = ["RewardFunctions"]
