@@ -4,6 +4,8 @@ Each task is a small dataclass: calling it returns its dataset (a ``list[dict]``
 answer columns, ``.to_pandas()`` for a DataFrame) and ``task.reward`` is a TRL-style reward function
 ``f(prompts, completions, **columns) -> list[float]``. Ready-made instances: ``arithmetic``
 (2-digit addition), ``chat_arithmetic`` (the same asked in a chat, for instruction-tuned models) and ``repeat`` (repeat the prompt's letter, learnable by RL from a random init).
+``reasoning_gym(name, **config)`` makes a task of any of reasoning-gym's procedural generators, scored by
+its own verifier.
 
 >>> import rlkit
 >>> rows = rlkit.tasks.arithmetic(n=2, seed=0)
@@ -16,6 +18,7 @@ answer columns, ``.to_pandas()`` for a DataFrame) and ``task.reward`` is a TRL-s
 from rlkit.tasks.arith import Arithmetic, ChatArithmetic, first_number, last_number
 from rlkit.tasks.base import Rows, completion_text
 from rlkit.tasks.letters import Repeat
+from rlkit.tasks.reasoning import ChatReasoningGym, ReasoningGym, reasoning_gym
 from rlkit.tasks.sft import evaluate, sft_log, sft_warmstart
 
 arithmetic = Arithmetic()
@@ -23,5 +26,6 @@ repeat = Repeat()
 
 chat_arithmetic = ChatArithmetic()
 
-__all__ = ["Arithmetic", "ChatArithmetic", "Repeat", "chat_arithmetic", "last_number", "Rows", "arithmetic", "completion_text", "evaluate", "first_number",
-           "repeat", "sft_log", "sft_warmstart"]
+__all__ = ["Arithmetic", "ChatArithmetic", "ChatReasoningGym", "ReasoningGym", "Repeat", "chat_arithmetic", "last_number",
+           "Rows", "arithmetic", "completion_text", "evaluate", "first_number", "reasoning_gym", "repeat", "sft_log",
+           "sft_warmstart"]
