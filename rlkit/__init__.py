@@ -28,6 +28,7 @@ _LAZY = {
     "recommend": "rlkit.plan",
     "models": "rlkit.models",
     "tasks": "rlkit.tasks",
+    "data": "rlkit.data",
     "plan": "rlkit.plan",
     "parallel": "rlkit.parallel",
     "doctor": "rlkit.doctor",

@@ -53,6 +53,7 @@ class TrainerConfig:
     critic_lr: float = 1e-4
     value_clip: float = 0.2
     train_size: int = 1000               # rows taken from a Task's train split
+    prompt_column: str = "prompt"        # the dataset's column that holds the prompts (text or chat)
     seed: int = 0
     run_dir: str | None = None           # metrics.jsonl, config.json, plots; None: ./runs/<time>
     timeout_s: float = 600.0             # bound on each worker call
@@ -68,6 +69,9 @@ class TrainerConfig:
         integer("epochs", self.epochs, hint="1 is on-policy; PPO often uses 2-4", **err)
         integer("minibatches", self.minibatches, hint="1: one optimizer step per epoch", **err)
         integer("train_size", self.train_size, hint="rows taken from a Task's train split", **err)
+        if not isinstance(self.prompt_column, str) or not self.prompt_column:
+            raise TrainerError(f"prompt_column={self.prompt_column!r} must be a column name (a non-empty string), "
+                               f"e.g. prompt_column='question'")
         integer("lr_warmup_steps", self.lr_warmup_steps, ge=0, hint="0 turns warm-up off", **err)
         integer("seed", self.seed, ge=0, **err)
         integer("keep_samples", self.keep_samples, ge=0, hint="0 keeps no samples", **err)

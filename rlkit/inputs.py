@@ -11,7 +11,11 @@ sizes that must divide (prompts per DP rank, samples per micro-batch, samples pe
 >>> rows_of([{"question": "2+2="}], train_size=8, seed=0)
 Traceback (most recent call last):
 ...
-rlkit.errors.TrainerError: dataset row 0 has no 'prompt': a non-empty string, or a chat (a list of {'role': ..., 'content': ...} messages); got {'question': '2+2='}
+rlkit.errors.TrainerError: dataset has no 'prompt' column (its columns: ['question']); name the column that holds the prompts with prompt_column=, e.g. prompt_column='question'
+>>> rows_of([{"prompt": "2+2="}, {"prompt": ""}], train_size=8, seed=0)
+Traceback (most recent call last):
+...
+rlkit.errors.TrainerError: dataset row 1 has no 'prompt': a non-empty string, or a chat (a list of {'role': ..., 'content': ...} messages); got {'prompt': ''}
 """
 
 from __future__ import annotations
@@ -81,21 +85,40 @@ def is_chat(prompt: Any) -> bool:
                     for m in prompt))
 
 
-def rows_of(dataset: Any, train_size: int, seed: int) -> tuple[Any, list[dict[str, Any]]]:
-    """``(task or None, rows)``: a task's train split (``train_size`` rows from ``seed``), a DataFrame or
-    an iterable of dicts, each row checked to have a ``prompt`` (text or chat)."""
+def rows_of(dataset: Any, train_size: int, seed: int, prompt_column: str = "prompt",
+            split: str = "train") -> tuple[Any, list[dict[str, Any]]]:
+    """``(task or None, rows)``, each row checked to have a prompt (text or chat) under ``"prompt"``.
+
+    ``dataset``: a task (its ``split``: ``train_size`` rows from ``seed``; ``"heldout"`` is its test split),
+    or anything ``rlkit.data.read_rows`` reads (rows, a DataFrame, a ``datasets.Dataset`` / ``DatasetDict``,
+    a file path, a hub name). With ``prompt_column`` naming another column, each row's ``"prompt"`` is
+    that column's value (the column itself stays, for the reward).
+
+    >>> _, rows = rows_of([{"question": "2+2=", "answer": "4"}], 8, 0, prompt_column="question")
+    >>> rows
+    [{'question': '2+2=', 'answer': '4', 'prompt': '2+2='}]
+    """
+    from rlkit.data import read_rows
+
     task = None
-    if hasattr(dataset, "dataset") and hasattr(dataset, "reward"):
-        task, dataset = dataset, dataset.dataset(n=train_size, seed=seed, split="train")
-    if hasattr(dataset, "to_dict") and hasattr(dataset, "columns"):  # a DataFrame
-        dataset = dataset.to_dict("records")
-    rows = [dict(r) for r in dataset]
+    if callable(getattr(dataset, "dataset", None)) and callable(getattr(dataset, "reward", None)):
+        task, dataset = dataset, dataset.dataset(n=train_size, seed=seed, split="test" if split == "heldout"
+                                                 else "train")
+    rows = read_rows(dataset, split)
     if not rows:
         raise TrainerError("the dataset is empty; give at least one row with a 'prompt'")
+    if not any(prompt_column in r for r in rows):
+        columns = list(dict.fromkeys(k for r in rows[:100] for k in r))
+        guess = next((c for c in columns if isinstance(rows[0].get(c), str) or is_chat(rows[0].get(c))), None)
+        fix = f"name the column that holds the prompts with prompt_column=, e.g. prompt_column={guess!r}" \
+            if guess is not None else "give each row a 'prompt': text, or a chat (a list of messages)"
+        raise TrainerError(f"dataset has no {prompt_column!r} column (its columns: {columns}); {fix}")
+    if prompt_column != "prompt":
+        rows = [{**r, "prompt": r.get(prompt_column)} for r in rows]
     bad = next((i for i, r in enumerate(rows)
                 if not (isinstance(r.get("prompt"), str) and r["prompt"]) and not is_chat(r.get("prompt"))), None)
     if bad is not None:
-        raise TrainerError(f"dataset row {bad} has no 'prompt': a non-empty string, or a chat (a list of "
+        raise TrainerError(f"dataset row {bad} has no {prompt_column!r}: a non-empty string, or a chat (a list of "
                            f"{{'role': ..., 'content': ...}} messages); got {rows[bad]!r}")
     return task, rows
 

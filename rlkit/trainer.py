@@ -27,6 +27,7 @@ import torch
 from rlkit import atomic, inputs
 from rlkit.algos import get_algorithm, get_policy_loss, known_algorithms
 from rlkit.config import TrainerConfig
+from rlkit.data import heldout_split
 from rlkit.errors import RewardError, TrainerError
 from rlkit.hub import resolve_checkpoint
 from rlkit.plan.topology import ParallelPlan
@@ -42,11 +43,15 @@ class Trainer:
 
     Args:
         model: a checkpoint folder or hub id (``rlkit.models.tiny_lm(...)`` builds one locally).
-        dataset: a task from ``rlkit.tasks`` or rows (list of dicts / DataFrame) with a ``prompt`` column:
-            text, or a chat (TRL's conversational format, a list of ``{"role", "content"}`` messages),
-            which the model's chat template renders once, in the driver, with the assistant turn opened.
-        reward: ``f(prompts, completions, **columns) -> list[float]``, or a list of ``(f, weight)``
-            (default: the task's ``reward``).
+        dataset: a task from ``rlkit.tasks`` (e.g. ``rlkit.tasks.reasoning_gym("basic_arithmetic")``), or
+            rows with a ``prompt`` column (another with ``prompt_column=``): a list of dicts, a DataFrame, a
+            ``datasets.Dataset`` or ``DatasetDict`` (its "train" split; evaluate() uses its "test" or
+            "validation" split), a path to a .jsonl/.json/.csv/.parquet file, or a hub dataset name (see
+            ``rlkit.data.read_rows``). A prompt is text, or a chat (TRL's conversational format, a list of
+            ``{"role", "content"}`` messages), which the model's chat template renders once, in the driver,
+            with the assistant turn opened. The rows' other columns go to the reward as keywords.
+        reward: ``f(prompts, completions, **columns) -> list[float]``, or a list of functions and
+            ``(f, weight)`` pairs (default: the task's ``reward``).
         algorithm: a name in ``rlkit.algos.ALGORITHMS`` (grpo, drgrpo, rloo, reinforce++,
             reinforce++-baseline, ppo) or an advantage estimator's name, your own included
             (``@rlkit.algos.register_advantage``).
@@ -88,7 +93,9 @@ class Trainer:
         self.callbacks = list(callbacks)
         self.placement = Placement.of(placement, self.plan, rollout_workers)
         self.tokenizer = inputs.load_tokenizer(self.model_path)
-        self.task, rows = inputs.rows_of(dataset, self.config.train_size, self.config.seed)
+        self.task, rows = inputs.rows_of(dataset, self.config.train_size, self.config.seed,
+                                         self.config.prompt_column)
+        self._heldout = dataset if heldout_split(dataset) else None  # a DatasetDict's test split, for evaluate()
         self.rows = inputs.render_chats(rows, self.tokenizer, self.model_path)
         self.rewards = RewardFunctions.of(reward, self.task)
         inputs.check_sizes(self.config, self.plan, self.rollout, self.algo)
@@ -300,12 +307,15 @@ class Trainer:
         return df if last is None or df.empty else df[df.step > self.step - last]
 
     def evaluate(self, dataset: Any = None, n: int = 64, greedy: bool = True) -> dict[str, float]:
-        """Mean reward (and exact-match rate: reward == 1) of the current policy on held-out prompts."""
+        """Mean reward (and exact-match rate: reward == 1) of the current policy on held-out prompts: the
+        task's test split, the "test" / "validation" split of a DatasetDict, else the training rows."""
         if dataset is None and self.task is not None:
             rows = list(self.task.dataset(n=n, seed=self.config.seed + 1, split="test"))
+        elif dataset is None and self._heldout is None:
+            rows = self.rows
         else:
-            _, rows = inputs.rows_of(dataset if dataset is not None else self.rows, self.config.train_size,
-                                     self.config.seed)
+            _, rows = inputs.rows_of(self._heldout if dataset is None else dataset, n, self.config.seed + 1,
+                                     self.config.prompt_column, split="heldout")
         rows = inputs.render_chats(rows, self.tokenizer, self.model_path)
         rows = [dict(r, _row=i) for i, r in enumerate(rows[:n])]
         rows = rows[:len(rows) - len(rows) % self.plan.dp] or rows
