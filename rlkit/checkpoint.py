@@ -304,11 +304,22 @@ def pretrained_target(path: str | os.PathLike, model_path: str) -> Path:
         raise CheckpointError(f"{path} is a file; pass a folder for the trained model")
     if path.is_dir():
         names = sorted(p.name for p in path.iterdir())
-        if names and ("config.json" not in names or TRAINER_FILE in names):
+        if names and not _is_model_folder(path):
             raise CheckpointError(f"{path} already holds other files ({names[:6]}); the trained model replaces its "
                                   f"folder whole, so pass a new or empty folder (or one an earlier "
                                   f"save_pretrained wrote)")
     return path
+
+
+def _is_model_folder(path: Path) -> bool:
+    """An HF model folder (what save_pretrained writes): a model config.json and safetensors weights, and
+    nothing of a training run (a run folder has a config.json of its own)."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return (isinstance(config, dict) and "model_type" in config and any(path.glob("*.safetensors"))
+            and not (path / TRAINER_FILE).exists() and not (path / "metrics.jsonl").exists())
 
 
 def write_pretrained(path: str | os.PathLike, weights: dict[str, torch.Tensor], model_path: str,
@@ -361,9 +372,17 @@ def write_pretrained(path: str | os.PathLike, weights: dict[str, torch.Tensor], 
     except OSError:  # no generation_config.json: the one from_config derived from the model config
         pass
     tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(model_path)
-    with atomic.folder(path) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a bar per shard written: rlkit's calls stay quiet
+    try:
+        with atomic.folder(path) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return str(path)
 
 

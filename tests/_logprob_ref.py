@@ -20,3 +20,18 @@ def forward_logprobs(model, batch, temperature):
 
 def max_masked_diff(a, b, mask):
     return (a - b)[mask.bool()].abs().max().item()
+
+
+def layout_logprobs(model, batch, prompt_len):
+    """Log-prob of each response token of a trainer batch (``[prompt left-padded to prompt_len | response
+    right-padded]``, as ``SequenceLayout`` packs it) from one unpadded forward per sample: [batch, R]."""
+    ids, attn, resp = batch["input_ids"], batch["attention_mask"], batch["response_mask"]
+    out = torch.zeros(resp.shape)
+    with torch.no_grad():
+        for i in range(ids.shape[0]):
+            p = int(attn[i, :prompt_len].sum())
+            n = int(resp[i].sum())
+            seq = ids[i][attn[i].bool()]
+            logits = model(seq[None]).logits[0].float()
+            out[i, :n] = torch.log_softmax(logits[p - 1:p + n - 1], -1).gather(1, seq[p:p + n, None])[:, 0]
+    return out

@@ -126,6 +126,35 @@ def test_grpo_with_vllm_engine_learns_and_syncs(tmp_path):
         tr.close()
 
 
+def test_vllm_loads_a_trainers_save_pretrained_folder(tmp_path):
+    """trainer.save_pretrained after two updates of a tied model (its lm_head is its embedding): vLLM serves
+    the folder, and its sampled-token log-probs are an HF forward's of the same folder, far from the
+    untrained model's (the saved weights are the trained ones)."""
+    from rlkit.rollout import VLLMEngine
+
+    tr = rlkit.Trainer(model=tiny_lm(**VLLM_MODEL, tie_word_embeddings=True), dataset=rlkit.tasks.repeat,
+                       rollout=rlkit.Rollout(engine="hf", n=2, max_new_tokens=8), prompts_per_step=2, lr=1e-2,
+                       seed=0, run_dir=str(tmp_path / "run"))
+    try:
+        tr.fit(steps=2, view="none")
+        path = tr.save_pretrained(tmp_path / "final")
+    finally:
+        tr.close()
+    trained, _ = load(path)
+    original, _ = load(tr.model_path)
+    assert trained.config.tie_word_embeddings and trained.lm_head.weight is trained.model.embed_tokens.weight
+    eng = VLLMEngine(path, n=4, max_new_tokens=16, dtype="float32", kv_cache_gb=1, seed=0)
+    try:
+        b = eng.generate(PROMPTS)
+    finally:
+        eng.close()
+    diff = max_masked_diff(b.response_logprobs, forward_logprobs(trained, b, 1.0), b.response_mask)
+    to_old = max_masked_diff(b.response_logprobs, forward_logprobs(original, b, 1.0), b.response_mask)
+    print(f"vLLM on save_pretrained's folder vs HF forward: max |dlogp| = {diff:.2e} ({to_old:.2e} against the "
+          f"untrained model)")
+    assert diff < TOL and to_old > 1e-2
+
+
 def test_vllm_on_the_real_model_matches_hf_before_and_after_a_weight_sync():
     """SmolLM2-135M-Instruct (30 layers, 9 heads / 3 KV heads, vocab 49,152, tied embeddings) on chat
     prompts: vLLM's sampled-token log-probs against an fp32 HF forward of the same weights, then again
@@ -181,3 +210,25 @@ def test_vllm_engine_on_every_rank_in_the_generation_layout(tmp_path):
         assert diff < 1e-3, diff
     finally:
         tr.close()
+
+
+def test_ctrl_c_during_a_vllm_fit_keeps_the_trainer_and_the_engine(tmp_path):
+    """The interrupt of tests/test_interrupt.py with the vLLM engine: the first Ctrl-C lets the engine's
+    generate finish (it is never cut), the run stops at a step and goes on, and the engine still samples
+    exactly what the actor scores."""
+    import signal
+
+    from test_interrupt import driver_result, start_driver, steps_logged, wait_for
+
+    run_dir, log = tmp_path / "run", tmp_path / "driver.log"
+    proc = start_driver(["once", str(run_dir), "local", "vllm"], log)
+    try:
+        wait_for("3 logged steps", lambda: steps_logged(run_dir) >= 3 or proc.poll() is not None, 300)
+        proc.send_signal(signal.SIGINT)
+        res = driver_result(proc, log)
+    finally:
+        proc.kill()
+    n = res["stopped_at"]
+    assert 3 <= n < 500 and res["steps"] == list(range(1, n + 3)) and res["file_steps"] == list(range(1, n + 3))
+    assert res["engine_gap"] < TOL
+
