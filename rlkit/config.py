@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -58,6 +59,7 @@ class TrainerConfig:
     run_dir: str | None = None           # metrics.jsonl, config.json, plots; None: ./runs/<time>
     timeout_s: float = 600.0             # bound on each worker call
     keep_samples: int = 512              # rows kept for samples()
+    report_to: str | Sequence[str] | None = None  # "tensorboard" | "mlflow" | "wandb" | "trackio" | a list
 
     def __post_init__(self) -> None:
         from rlkit.algos import AGG_MODES, KL_KINDS
@@ -112,6 +114,10 @@ class TrainerConfig:
                 raise TrainerError(f"run_dir={str(self.run_dir)!r} is a file; metrics go in a folder: choose "
                                    f"another path")
         number("timeout_s", self.timeout_s, gt=0, hint="a bound on each worker call, e.g. 600", **err)
+        from rlkit import trackers  # the names, and each one's package installed here (rlkit.trackers)
+
+        self.report_to = trackers.normalize(self.report_to)
+        trackers.require_installed(self.report_to)
 
     # ---- per step ------------------------------------------------------------------------------
     def learning_rate(self, step: int) -> float:

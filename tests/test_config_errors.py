@@ -62,6 +62,12 @@ TRAINER_CONFIG_BAD = {
     "run_dir": [(A_FILE, "is a file; metrics go in a folder"), (3, "run_dir=3 must be a folder path")],
     "timeout_s": [(0, "timeout_s=0 must be a finite number > 0")],
     "keep_samples": [(-1, "keep_samples=-1 must be an integer >= 0")],
+    "report_to": [("tensorbord", "report_to='tensorbord': choose one of ['tensorboard', 'mlflow', 'wandb', 'trackio', "
+                               "'none'] (did you mean 'tensorboard'?)"),
+                  (["wandb", "mlfow"], "report_to[1]='mlfow': choose one of"),
+                  (["wandb", "mlfow"], "did you mean 'mlflow'?"),
+                  (3, "report_to=3 must be a tracker name or a list of them, e.g. report_to=['tensorboard']"),
+                  (["none", "wandb"], "'none' turns tracking off, so it cannot be given with trackers")],
 }
 
 ROLLOUT_BAD = {
