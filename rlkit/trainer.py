@@ -147,6 +147,11 @@ class Trainer:
             raise TrainerError("this Trainer was closed (trainer.close(), or a newer Trainer in this notebook took "
                                "its workers); make a new Trainer, or Trainer.load a checkpoint")
         self.runs.write_config(self._state_config())
+        if getattr(self, "_trackers", None) is None:  # report_to: opened once per Trainer, its config logged once
+            from rlkit.trackers import Trackers
+
+            self._trackers = Trackers.of(self.config.report_to, self.run_dir, step=self.step)
+            self._trackers.log_config(self._state_config())
         live = LiveView(steps, mode=view, title=f"{self.algorithm} on {self.plan.describe()}")
         try:
             for _ in range(steps):
@@ -291,6 +296,9 @@ class Trainer:
             self._samples.append({"step": self.step, "prompt": prompts[u]["prompt"],
                                   "completion": gen["completion"][i], "reward": float(scores[i])})
         del self._samples[:max(0, len(self._samples) - self.config.keep_samples)]  # [:-0] would keep all
+        if getattr(self, "_trackers", None):  # report_to: the row, and this step's samples as a table
+            self._trackers.log_metrics(row)
+            self._trackers.log_samples(self.samples(last=1), self.step)
 
     @property
     def metrics(self):
@@ -413,6 +421,9 @@ class Trainer:
         """Stop the worker groups and give their CPUs/GPUs back (the cluster stays up). Idempotent."""
         from rlkit.workers.rl_workers import shutdown_groups
 
+        trackers, self._trackers = getattr(self, "_trackers", None), None
+        if trackers is not None:
+            trackers.close()  # flushed and closed; never raises
         workers, self.workers = self.workers, None
         if workers is not None:
             workers.close()
