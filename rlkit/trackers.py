@@ -10,12 +10,14 @@ then logs the metrics row under rlkit's own names ("reward/mean", "timing/genera
   config and the samples are markdown in its Text tab (TensorBoard has no tables).
 - ``mlflow``: ``mlruns/``, an MLflow file store (``file://<run_dir>/mlruns``), experiment "rlkit"
   (or ``$MLFLOW_EXPERIMENT_NAME``): metrics, the config as params and as ``config.json``, one table
-  artifact per step (``samples/step_000001.json``, read with ``mlflow.load_table``). MLflow 3 keeps file
-  stores in maintenance mode: rlkit sets ``MLFLOW_ALLOW_FILE_STORE=true`` (do the same to read one).
+  artifact per step (``samples/step_000001.json``, read with ``MlflowClient.load_table``). MLflow 3 keeps
+  file stores in maintenance mode: rlkit sets ``MLFLOW_ALLOW_FILE_STORE=true``; do the same to read one
+  (the UI, from the full ``mlflow`` package: ``mlflow ui --backend-store-uri file://<run_dir>/mlruns``).
 - ``wandb``: ``wandb/`` (``WANDB_DIR=<run_dir>``, mode "offline"; its artifact staging and cache in
   ``wandb/data`` and ``wandb/cache``), project "rlkit" (or ``$WANDB_PROJECT``); ``wandb sync`` uploads
   the ``wandb/offline-run-*`` folders later, ``wandb leet <run_dir>/wandb`` shows them in a terminal.
-- ``trackio``: ``trackio/`` (its SQLite store, project "rlkit"). trackio fixes its folder when it is first
+- ``trackio``: ``trackio/`` (its SQLite store, project "rlkit"; the dashboard:
+  ``TRACKIO_DIR=<run_dir>/trackio trackio show --project rlkit``). trackio fixes its folder when it is first
   imported in a process (``TRACKIO_DIR``): rlkit points it into the run folder of the first Trainer that
   imports it; a later Trainer in the same process with another run folder writes to that same store, and
   is warned with the path. trackio keeps one run per process: a second one finishes the first.
