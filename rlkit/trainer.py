@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -30,10 +31,12 @@ from rlkit.config import TrainerConfig
 from rlkit.data import heldout_split
 from rlkit.errors import RewardError, TrainerError
 from rlkit.hub import resolve_checkpoint
+from rlkit.interrupt import StopOnInterrupt
 from rlkit.plan.topology import ParallelPlan
 from rlkit.rewards.functions import RewardFunctions
 from rlkit.rollout import Rollout
 from rlkit.run_dir import RunDir
+from rlkit.step_batch import StepBatch
 from rlkit.workers.layout import SequenceLayout
 from rlkit.workers.placement import Placement
 
@@ -111,6 +114,7 @@ class Trainer:
         self.run_dir = Path(self.config.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         self.runs = RunDir(self.run_dir)
         self.cluster, self.workers = cluster, None
+        self._stop: StopOnInterrupt | None = None  # fit's Ctrl-C handler while it runs
         self._start_workers()
 
     def _start_workers(self) -> None:
@@ -140,72 +144,126 @@ class Trainer:
 
     # ---- the loop --------------------------------------------------------------------------------
     def fit(self, steps: int, *, view: str = "auto"):
-        """Run ``steps`` RL steps (continuing from ``self.step``); returns ``metrics``."""
+        """Run ``steps`` RL steps (continuing from ``self.step``); returns ``metrics``.
+
+        Ctrl-C (Jupyter's "interrupt kernel") stops at the end of the phase or step it lands in: a step
+        whose update has not begun is given up, one that has is finished and logged. The trainer keeps its
+        weights, and ``fit`` continues from the step it reached. A second Ctrl-C aborts at once and tears
+        the workers down (the trainer must then be made again, or loaded from a checkpoint)."""
         from rlkit.widgets.live import LiveView
 
-        if self.workers is None:
-            raise TrainerError("this Trainer was closed (trainer.close(), or a newer Trainer in this notebook took "
-                               "its workers); make a new Trainer, or Trainer.load a checkpoint")
+        self._live_workers()
         self.runs.write_config(self._state_config())
-        if getattr(self, "_trackers", None) is None:  # report_to: opened once per Trainer, its config logged once
-            from rlkit.trackers import Trackers
-
-            self._trackers = Trackers.of(self.config.report_to, self.run_dir, step=self.step)
-            self._trackers.log_config(self._state_config())
+        self._open_trackers()
         live = LiveView(steps, mode=view, title=f"{self.algorithm} on {self.plan.describe()}")
+        stop = StopOnInterrupt()
         try:
-            for _ in range(steps):
-                row = self.train_step()
-                live.update(row)
-                for cb in self.callbacks:
-                    cb(self, row)
+            with stop:
+                self._stop = stop
+                for _ in range(steps):
+                    row = self.train_step()
+                    if row is None:  # stopped before this step's update
+                        break
+                    live.update(row)
+                    for cb in self.callbacks:
+                        cb(self, row)
+                    if stop.requested:
+                        break
+        except KeyboardInterrupt:
+            self.close()
+            raise KeyboardInterrupt(f"rlkit: fit aborted by a second Ctrl-C in step {self.step + 1}; the workers "
+                                    f"were torn down. Make a new Trainer, or Trainer.load a checkpoint "
+                                    f"(the {self.step} completed steps are in {self.run_dir})") from None
         finally:
+            self._stop = None
             live.close()
             self.runs.save_plots(self._rows_log)
+        if stop.requested:
+            print(f"rlkit: stopped after step {self.step} (Ctrl-C); the trainer keeps its weights: trainer.fit(...) "
+                  f"continues from there", file=sys.stderr, flush=True)
         return self.metrics
 
-    def train_step(self) -> dict[str, float]:
-        """One step of the dataflow; returns its metrics row."""
-        c, t, w = self.config, {}, self.workers
+    def train_step(self) -> dict[str, float] | None:
+        """One step of the dataflow, ``update(estimate(generate()))``; returns its metrics row (None when a
+        Ctrl-C during ``fit`` gave the step up before its update began)."""
+        batch = self.generate()
+        if self._stop is not None and self._stop.requested:  # a safe point: nothing trained yet
+            return None
+        return self.update(self.estimate(batch))
+
+    # ---- one step, in three calls (a notebook can run each in its own cell) ------------------------
+    def generate(self, prompts: Sequence[dict[str, Any]] | None = None) -> StepBatch:
+        """The rollout half of a step: the actor's weights into the engines, ``Rollout.n`` samples of each
+        prompt (default: the step's ``prompts_per_step`` rows of the dataset), their rewards. Returns a
+        ``StepBatch`` to look at (``batch.table()``), change (``drop``, ``set_rewards``) and train on."""
+        c, t, w = self.config, {}, self._live_workers()
         t_step = time.perf_counter()
-        prompts = self._next_prompts()
+        rows = self._next_prompts() if prompts is None else [dict(p, _row=p.get("_row", i)) for i, p in enumerate(prompts)]
         with _timer(t, "sync"):
             sync = w.sync_weights()
         with _timer(t, "generate"):
-            gen = w.generate(prompts, seed=c.seed * 100_003 + self.step, policy_version=self.step)
+            gen = w.generate(rows, seed=c.seed * 100_003 + self.step, policy_version=self.step)
         with _timer(t, "reward"):
             given = self.rewards.score(gen["columns"], gen["completion"])  # NaN: no reward
-        batch = {k: gen[k] for k in ("input_ids", "attention_mask", "response_mask", "policy_version")}
-        valid = torch.isfinite(given)
-        mask = self.layout.loss_mask(batch)
-        mask *= valid[:, None].float()  # samples whose reward is NaN are skipped (counted below)
-        scores = torch.nan_to_num(given, nan=0.0)
+        return StepBatch(step=self.step, prompts=rows, gen=gen, rewards=given, timings=t, sync=sync, started=t_step)
+
+    def estimate(self, batch: StepBatch) -> StepBatch:
+        """What the update needs, on the workers and here: the reference's and the old policy's
+        log-probs and the critic's values (when the algorithm and config use them), then the advantages.
+        In place; returns the batch (a second call does nothing)."""
+        if batch.estimated:
+            return batch
+        c, t, w, gen = self.config, batch.timings, self._live_workers(), batch.gen
+        tensors = {k: gen[k] for k in ("input_ids", "attention_mask", "response_mask", "policy_version")}
+        valid = torch.isfinite(batch.rewards)
+        mask = self.layout.loss_mask(tensors)
+        mask *= valid[:, None].float()  # samples whose reward is NaN are skipped (counted in the row)
+        scores = torch.nan_to_num(batch.rewards, nan=0.0)
         if self.uses_reference:
             with _timer(t, "ref"):
-                batch["ref_logprobs"] = w.ref_logprobs(batch)
+                tensors["ref_logprobs"] = w.ref_logprobs(tensors)
         if self.algo.needs_critic:
             with _timer(t, "values"):
-                batch["values"] = w.values(batch)
+                tensors["values"] = w.values(tensors)
         if c.epochs > 1 or c.minibatches > 1:  # ratio != 1 after the first optimizer step: keep pi_old
             with _timer(t, "old_logprobs"):
-                batch["old_logprobs"] = w.old_logprobs(batch)
-        sampling_logprobs = batch.get("old_logprobs")
+                tensors["old_logprobs"] = w.old_logprobs(tensors)
+        sampling_logprobs = tensors.get("old_logprobs")
         if c.kl_coef > 0 and c.kl_in_reward and sampling_logprobs is None:  # the KL penalty needs pi_old
             with _timer(t, "old_logprobs"):
-                sampling_logprobs = w.old_logprobs(batch)
+                sampling_logprobs = w.old_logprobs(tensors)
         with _timer(t, "advantage"):
-            kl_mean = self._advantages(batch, scores, gen, sampling_logprobs)
+            batch.kl_mean = self._advantages(tensors, scores, gen, sampling_logprobs)
+        batch.tensors, batch.estimated = tensors, True
+        return batch
+
+    def update(self, batch: StepBatch) -> dict[str, float]:
+        """The learning half of a step: the critic's and the actor's updates on ``batch`` (estimated first
+        if it was not), then the step's metrics row, logged (``metrics``, metrics.jsonl, the live view's
+        and the trackers' rows). Returns the row."""
+        if batch.step != self.step:
+            raise TrainerError(f"this batch was generated at step {batch.step + 1} and the trainer is at step "
+                               f"{self.step + 1} (a batch trains once, on the policy that sampled it); make a new "
+                               f"one with trainer.generate()")
+        self.estimate(batch)
+        t, w = batch.timings, self._live_workers()
         settings = self.update_settings()
         critic = {}
         if self.algo.needs_critic:
             with _timer(t, "update_critic"):
-                critic = w.update_critic(batch, settings)
+                critic = w.update_critic(batch.tensors, settings)
         with _timer(t, "update"):
-            actor = w.update_actor(batch, settings)
+            actor = w.update_actor(batch.tensors, settings)
         self.step += 1
-        row = self._row(t, t_step, gen, sync, scores, valid, mask, batch, kl_mean, settings, actor, critic)
-        self._log(row, prompts, gen, given)
+        row = self._row(batch, settings, actor, critic)
+        self._log(row, batch.prompts, batch.gen, batch.rewards)
         return row
+
+    def _live_workers(self):
+        if self.workers is None:
+            raise TrainerError("this Trainer was closed (trainer.close(), an aborted fit, or a newer Trainer in "
+                               "this notebook took its workers); make a new Trainer, or Trainer.load a checkpoint")
+        return self.workers
 
     # ---- the dataflow's pieces -------------------------------------------------------------------
     def _next_prompts(self) -> list[dict[str, Any]]:
@@ -246,8 +304,11 @@ class Trainer:
         elif c.kl_coef > 0 and "old_logprobs" in batch:
             kl_mean = _masked(kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], c.kl_kind), mask, "mean")
         name = self.algo.advantage
+        # a sample with no reward (skipped, dropped) is a group of its own: it moves no baseline of the others
+        skipped = ~mask.bool().any(1)
+        groups = [("skipped", i) if s else u for i, (u, s) in enumerate(zip(gen["uid"], skipped.tolist()))]
         adv, returns = compute_advantages(
-            name, rewards, mask, values=batch.get("values"), group_ids=gen["uid"],
+            name, rewards, mask, values=batch.get("values"), group_ids=groups,
             ref_logprobs=batch.get("ref_logprobs"),
             logprobs=sampling_logprobs if sampling_logprobs is not None else gen["rollout_logprobs"],
             **estimator_options(name, gamma=c.gamma, lam=c.lam))
@@ -259,23 +320,26 @@ class Trainer:
         return self.config.update_settings(self.step, self.policy_loss)
 
     # ---- results ---------------------------------------------------------------------------------
-    def _row(self, t: dict[str, float], t_step: float, gen: dict[str, Any], sync: list[dict[str, float]],
-             scores: torch.Tensor, valid: torch.Tensor, mask: torch.Tensor, batch: dict[str, Any],
-             kl_mean: float | None, settings: Any, actor: dict[str, float], critic: dict[str, float]) -> dict:
+    def _row(self, batch: StepBatch, settings: Any, actor: dict[str, float], critic: dict[str, float]) -> dict:
+        t, gen, tensors = batch.timings, batch.gen, batch.tensors
+        valid = torch.isfinite(batch.rewards)
+        scores = torch.nan_to_num(batch.rewards, nan=0.0)
+        mask = self.layout.loss_mask(tensors)
         lengths = mask.sum(1)
         row = {"step": self.step, "reward/mean": scores[valid].mean().item() if valid.any() else math.nan,
                "reward/std": scores[valid].std().item() if valid.sum() > 1 else 0.0,
                "reward/skipped": int((~valid).sum()), "response_length/mean": lengths.mean().item(),
-               "advantages/mean": _masked(batch["advantages"], mask, "mean"),
-               "advantages/std": _masked(batch["advantages"], mask, "std"),
+               "advantages/mean": _masked(tensors["advantages"], mask, "mean"),
+               "advantages/std": _masked(tensors["advantages"], mask, "std"),
                "entropy": actor.get("actor/entropy", math.nan), "actor/lr": settings.lr, **actor, **critic}
-        if kl_mean is not None:
-            row["kl"] = kl_mean
+        if batch.kl_mean is not None:
+            row["kl"] = batch.kl_mean
         elif "actor/kl_loss" in actor:
             row["kl"] = actor["actor/kl_loss"]
         row.update({f"timing/{k}": v for k, v in t.items()})
-        row["timing/step"] = time.perf_counter() - t_step
+        row["timing/step"] = time.perf_counter() - batch.started
         row["tokens_per_s"] = float(gen["attention_mask"].sum()) / row["timing/step"]
+        sync = batch.sync
         row["sync/bytes"] = max(s["bytes"] for s in sync)
         row["sync/seconds"] = max(s["seconds"] for s in sync)
         if "param_bytes" in sync[0]:  # the generation layout: parameter memory while generating
@@ -296,9 +360,20 @@ class Trainer:
             self._samples.append({"step": self.step, "prompt": prompts[u]["prompt"],
                                   "completion": gen["completion"][i], "reward": float(scores[i])})
         del self._samples[:max(0, len(self._samples) - self.config.keep_samples)]  # [:-0] would keep all
-        if getattr(self, "_trackers", None):  # report_to: the row, and this step's samples as a table
-            self._trackers.log_metrics(row)
-            self._trackers.log_samples(self.samples(last=1), self.step)
+        trackers = self._open_trackers()  # report_to: the row, and this step's samples as a table
+        if trackers:
+            trackers.log_metrics(row)
+            trackers.log_samples(self.samples(last=1), self.step)
+
+    def _open_trackers(self):
+        """The ``report_to`` trackers, opened once per Trainer (by ``fit`` or a first ``update``), their
+        config logged once."""
+        if getattr(self, "_trackers", None) is None:
+            from rlkit.trackers import Trackers
+
+            self._trackers = Trackers.of(self.config.report_to, self.run_dir, step=self.step)
+            self._trackers.log_config(self._state_config())
+        return self._trackers
 
     @property
     def metrics(self):

@@ -220,3 +220,25 @@ def test_a_placement_is_checked_before_any_worker(tmp_path):
         Placement.of("colocated", plan, 3)
     with pytest.raises(PlanError, match="the placement's actor pool is dp=2"):
         Placement.of(Placement.split(plan), rlkit.ParallelPlan(dp=4))
+
+
+# ---- one step in cells: generate, look, change, estimate, update ---------------------------------------------
+def test_a_step_in_cells_can_be_looked_at_changed_and_trained_on(tmp_path):
+    opts = dict(model=tiny_lm("qwen2", size="test"), dataset=rlkit.tasks.repeat, algorithm="grpo",
+                rollout=rlkit.Rollout(engine="hf", n=4, max_new_tokens=6), prompts_per_step=2, lr=1e-3, seed=1)
+    with rlkit.Trainer(**opts, run_dir=str(tmp_path / "cells")) as tr:
+        batch = tr.generate()
+        table = batch.table(logprobs=True)
+        assert len(table) == 8 and table.uid.tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+        assert (table.tokens == [len(lp) for lp in table.logprobs]).all()
+        # every sample the same reward: GRPO's group baseline leaves no advantage and no policy gradient
+        batch.set_rewards([0.5] * 8).drop([6, 7])
+        tr.estimate(batch)
+        assert batch.table().advantage.abs().max() == 0.0
+        row = tr.update(batch)
+        assert row["step"] == 1 and row["reward/skipped"] == 2 and row["reward/mean"] == 0.5
+        assert row["advantages/std"] == 0.0 and abs(row["actor/pg_loss"]) < 1e-9
+        with pytest.raises(TrainerError, match="a batch trains once"):
+            tr.update(batch)
+        row2 = tr.train_step()  # = update(estimate(generate())): the log goes on, one history
+        assert row2["step"] == 2 and tr.metrics.step.tolist() == [1, 2]

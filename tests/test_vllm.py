@@ -210,3 +210,25 @@ def test_vllm_engine_on_every_rank_in_the_generation_layout(tmp_path):
         assert diff < 1e-3, diff
     finally:
         tr.close()
+
+
+def test_ctrl_c_during_a_vllm_fit_keeps_the_trainer_and_the_engine(tmp_path):
+    """The interrupt of tests/test_interrupt.py with the vLLM engine: the first Ctrl-C lets the engine's
+    generate finish (it is never cut), the run stops at a step and goes on, and the engine still samples
+    exactly what the actor scores."""
+    import signal
+
+    from test_interrupt import driver_result, start_driver, steps_logged, wait_for
+
+    run_dir, log = tmp_path / "run", tmp_path / "driver.log"
+    proc = start_driver(["once", str(run_dir), "local", "vllm"], log)
+    try:
+        wait_for("3 logged steps", lambda: steps_logged(run_dir) >= 3 or proc.poll() is not None, 300)
+        proc.send_signal(signal.SIGINT)
+        res = driver_result(proc, log)
+    finally:
+        proc.kill()
+    n = res["stopped_at"]
+    assert 3 <= n < 500 and res["steps"] == list(range(1, n + 3)) and res["file_steps"] == list(range(1, n + 3))
+    assert res["engine_gap"] < TOL
+

@@ -1,0 +1,129 @@
+"""StepBatch: one RL step's samples as the controller holds them between cells.
+
+``trainer.generate()`` returns one (the actor's weights synced into the engines, the prompts sampled,
+the rewards scored); ``trainer.estimate(batch)`` adds what the update needs (reference and old
+log-probs, values, advantages); ``trainer.update(batch)`` trains on it and logs the step. In between, a
+notebook can look at it as a DataFrame and change it: ``drop`` samples (they stay in the tensors, with
+no loss: every layout keeps its shapes) or ``set_rewards``. ``trainer.train_step()`` is exactly
+``update(estimate(generate()))``.
+
+>>> import torch
+>>> gen = {"uid": [0, 0], "completion": ["ab", "cd"], "finish_reason": ["stop", "length"],
+...        "columns": {"prompt": ["p", "p"]}, "response_mask": torch.tensor([[1., 1.], [1., 0.]]),
+...        "rollout_logprobs": torch.tensor([[-0.5, -1.0], [-2.0, 0.0]])}
+>>> b = StepBatch(step=0, prompts=[{"prompt": "p", "_row": 3}], gen=gen, rewards=torch.tensor([1.0, 0.0]))
+>>> b.table()[["uid", "row", "completion", "reward", "tokens"]].values.tolist()
+[[0, 3, 'ab', 1.0, 2], [0, 3, 'cd', 0.0, 1]]
+>>> b.drop([1]).rewards.tolist()          # NaN: no reward, no loss
+[1.0, nan]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class StepBatch:
+    """The samples of one step: ``gen`` (the engines' batch, ``rlkit.workers.layout``'s keys, plus the
+    prompt rows' ``columns``), ``rewards`` (one per sample; NaN: no reward, the sample carries no loss),
+    the prompts they answer, the step (policy version) that sampled them and the phases' seconds.
+
+    ``tensors`` holds what ``trainer.estimate`` added (``ref_logprobs``, ``values``, ``old_logprobs``,
+    ``advantages``, ``returns``); ``estimated`` says whether it ran.
+    """
+
+    step: int
+    prompts: list[dict[str, Any]]
+    gen: dict[str, Any]
+    rewards: torch.Tensor
+    timings: dict[str, float] = field(default_factory=dict)
+    sync: list[dict[str, float]] = field(default_factory=list)
+    started: float = 0.0
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    estimated: bool = False
+    kl_mean: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.gen["uid"])
+
+    # ---- changing it ----------------------------------------------------------------------------
+    def drop(self, samples: Sequence[int] | torch.Tensor) -> StepBatch:
+        """Leave ``samples`` (indices, or a bool mask of those to drop) out of the update: their reward
+        becomes NaN, so they carry no loss (counted as skipped). In place; returns the batch.
+
+        Before ``estimate``: the advantages are computed without them. After: the other samples keep the
+        advantages they got, the dropped ones lose theirs."""
+        idx = self._indices(samples)
+        rewards = self.rewards.clone()
+        rewards[idx] = math.nan
+        self.rewards = rewards
+        if self.estimated:
+            keep = torch.ones(len(self), dtype=torch.bool)
+            keep[idx] = False
+            self.gen["response_mask"] *= keep[:, None].float()
+            self.tensors["advantages"] = self.tensors["advantages"] * keep[:, None]
+        return self
+
+    def set_rewards(self, rewards: Sequence[float | None] | torch.Tensor) -> StepBatch:
+        """Replace every sample's reward (None or NaN: no reward); before ``estimate`` (the advantages
+        are computed from them). In place; returns the batch."""
+        if self.estimated:
+            raise ValueError("set_rewards after trainer.estimate(batch) would leave advantages from the old "
+                             "rewards: set them on the batch trainer.generate() returned, then estimate")
+        if len(rewards) != len(self):
+            raise ValueError(f"set_rewards got {len(rewards)} rewards for {len(self)} samples; give one per sample")
+        self.rewards = torch.tensor([math.nan if r is None else float(r) for r in rewards], dtype=torch.float32)
+        return self
+
+    def _indices(self, samples: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        s = torch.as_tensor(samples)
+        if s.dtype == torch.bool:
+            if s.numel() != len(self):
+                raise ValueError(f"a mask of {s.numel()} for {len(self)} samples; give one bool per sample")
+            return s.nonzero().flatten()
+        s = s.long().flatten()
+        if s.numel() and (s.min() < -len(self) or s.max() >= len(self)):
+            raise IndexError(f"sample indices {s.tolist()} are outside 0..{len(self) - 1}")
+        return s
+
+    # ---- looking at it --------------------------------------------------------------------------
+    def table(self, logprobs: bool = False):
+        """One row per sample: prompt uid, dataset row, prompt, completion, reward, tokens, finish
+        reason, and (after ``estimate``) the advantage (mean over its tokens); with ``logprobs`` the
+        engine's per-token log-probs (and the old / reference ones when estimated) as lists."""
+        import pandas as pd
+
+        mask = self.gen["response_mask"]
+        tokens = mask.sum(1)
+        cols = self.gen["columns"]
+        row_of = {i: p.get("_row") for i, p in enumerate(self.prompts)}
+        df = pd.DataFrame({
+            "uid": list(self.gen["uid"]), "row": [row_of.get(u) for u in self.gen["uid"]],
+            "prompt": list(cols.get("prompt", [None] * len(self))), "completion": list(self.gen["completion"]),
+            "reward": self.rewards.tolist(), "tokens": tokens.long().tolist(),
+            "finish_reason": list(self.gen.get("finish_reason", [None] * len(self)))})
+        if "advantages" in self.tensors:
+            df["advantage"] = (self.tensors["advantages"].sum(1) / tokens.clamp(min=1)).tolist()
+        if logprobs:
+            for name, t in (("logprobs", self.gen["rollout_logprobs"]), ("old_logprobs", self.tensors.get("old_logprobs")),
+                            ("ref_logprobs", self.tensors.get("ref_logprobs"))):
+                if t is not None:
+                    df[name] = [t[i, :int(n)].tolist() for i, n in enumerate(tokens)]
+        return df
+
+    def _repr_html_(self) -> str:
+        state = "estimated" if self.estimated else "not estimated"
+        return f"<b>StepBatch</b> of step {self.step + 1}: {len(self)} samples, {state}" + self.table().to_html()
+
+    def __repr__(self) -> str:
+        return (f"StepBatch(step={self.step + 1}, samples={len(self)}, prompts={len(self.prompts)}, "
+                f"estimated={self.estimated})")
+
+
+__all__ = ["StepBatch"]
