@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import settled_cpu_free, wait_cpu_free
 
 import rlkit
 from rlkit.errors import CheckpointError, RlkitError, WorkerError
@@ -251,3 +252,34 @@ def test_a_ppo_checkpoint_checks_its_critic_too(tmp_path):
     _cut_half(ckpt / "critic" / "__0_0.distcp")
     with pytest.raises(CheckpointError, match=r"/ckpt/critic/__0_0\.distcp is truncated"):
         Trainer.load(ckpt, dataset=rlkit.tasks.repeat, run_dir=str(tmp_path / "resumed"))
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(600)
+def test_a_dp2_checkpoint_on_ray_workers(tmp_path, ray_cluster):
+    """Two ranks on Ray: rank 1's files checked in the driver; a shard damaged past those checks fails on
+    both ranks (no rank left waiting in a collective) and arrives as one CheckpointError, not a traceback."""
+    tr = Trainer(model=tiny_lm("qwen2", size="test"), dataset=rlkit.tasks.repeat, plan=rlkit.ParallelPlan(dp=2),
+                 rollout=rlkit.Rollout(engine="hf", n=2, max_new_tokens=4), prompts_per_step=2,
+                 run_dir=str(tmp_path / "run"), cluster=ray_cluster)
+    try:
+        tr.fit(steps=1, view="none")
+        ckpt = Path(tr.save(tmp_path / "ckpt"))
+    finally:
+        tr.close()
+    assert sorted(p.name for p in (ckpt / "actor").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
+                                                                  "extra_rank0.pt", "extra_rank1.pt"]
+    gone = tmp_path / "gone" / "ckpt"
+    shutil.copytree(ckpt, gone)
+    (gone / "actor" / "extra_rank1.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"/ckpt/actor/extra_rank1\.pt is missing: rank 1's step and RNG state "
+                                              r"\(the plan in trainer\.json has 2 ranks"):
+        Trainer.load(gone, dataset=rlkit.tasks.repeat, cluster=ray_cluster)
+    shard = ckpt / "actor" / "__1_0.distcp"
+    shard.write_bytes(bytes(shard.stat().st_size))
+    before, free = _hashes(ckpt), settled_cpu_free(ray_cluster)
+    with pytest.raises(CheckpointError, match=r"/ckpt/actor could not be read \(rank \d: .*\); the checkpoint is "
+                                              r"damaged") as err:
+        Trainer.load(ckpt, dataset=rlkit.tasks.repeat, cluster=ray_cluster, run_dir=str(tmp_path / "resumed"))
+    assert "remote traceback" not in str(err.value) and _hashes(ckpt) == before
+    assert wait_cpu_free(ray_cluster, at_least=free) == free  # the half-loaded workers were closed
