@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 
-from rlkit.errors import PlanError, RlkitError, WorkerError
+from rlkit.errors import CheckpointError, PlanError, RlkitError, TrainerError, WorkerError
 
 __version__ = "0.1.0"
 
@@ -46,7 +46,7 @@ _LAZY = {
     "workers": "rlkit.workers",
 }
 
-__all__ = ["PlanError", "RlkitError", "WorkerError", "__version__", *_LAZY]
+__all__ = ["CheckpointError", "PlanError", "RlkitError", "TrainerError", "WorkerError", "__version__", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -195,6 +195,12 @@ class Adder:
     def add_each(self, xs):
         return [self.base + x for x in xs]
 
+    def fail_like_torch_checkpoint(self):
+        class CheckpointLikeException(BaseException):  # torch.distributed.checkpoint's is a BaseException
+            pass
+
+        raise CheckpointLikeException("a truncated shard")
+
 
 def test_worker_methods_are_called_by_reference_or_name():
     with LocalWorkerGroup(1, Adder, 10, init_process_group=False) as g:
@@ -202,6 +208,10 @@ def test_worker_methods_are_called_by_reference_or_name():
         assert g.call_dp(Adder.add_each, [1, 2, 3]) == [11, 12, 13]
         with pytest.raises(TypeError, match="is not a worker method"):
             g.call(lambda w: w, 1)
+        # a library's BaseException arrives as an rlkit WorkerError (an Exception: `except Exception` holds)
+        with pytest.raises(rlkit.WorkerError, match="CheckpointLikeException: a truncated shard"):
+            g.call(Adder.fail_like_torch_checkpoint)
+        assert g.call_rank0("add", 1) == 11  # and the group stays usable
         assert repr(g).startswith("LocalWorkerGroup('Adder'") and repr(g).endswith("running, in this process)")
 
 

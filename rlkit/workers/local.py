@@ -121,7 +121,9 @@ class LocalWorkerGroup(BaseWorkerGroup):
             self._broken = f"interrupted (KeyboardInterrupt) during {what!r}"
             self.shutdown()
             raise
-        except Exception as e:
+        except (SystemExit, GeneratorExit):
+            raise
+        except BaseException as e:  # an Exception, or a library's BaseException (never past a caller's except)
             raise WorkerError(f"{type(e).__name__}: {e} (in {what!r})", rank=0, node="this process",
                               remote_traceback=traceback.format_exc()) from None
 
