@@ -75,6 +75,7 @@ class Lab:
         self.log_path = tmp / "jupyterlab.log"
         env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp / "config"), JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
                    RAY_USAGE_STATS_ENABLED="0", MPLBACKEND="Agg")
+        env.pop("RLKIT_NOTEBOOK_STEPS", None)  # the notebooks at their default length: what a user runs
         self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={self.port}",
@@ -254,6 +255,14 @@ DRAW_LOG_OF = "(needle) => window.__drawLog.filter(d => d.code.includes(needle))
               ".map(({running, step, total, src}) => ({running, step, total, src}))"
 
 
+def _grpo_default_steps() -> int:
+    """Notebook 02's ``DEFAULT_STEPS`` (the lab runs it without RLKIT_NOTEBOOK_STEPS), read from its source."""
+    source = "".join("".join(c["source"]) for c in json.loads(GRPO.read_text())["cells"])
+    m = re.search(r"^DEFAULT_STEPS = (\d+)", source, re.M)
+    assert m, "notebook 02 no longer sets DEFAULT_STEPS = <int>"
+    return int(m.group(1))
+
+
 def test_notebook_02_live_view_redraws_during_fit(lab, page):
     """The GRPO notebook run from the browser: no cell raises, and the live view's dashboard image in the
     ``trainer.fit`` cell is redrawn while the run goes, not only at the start and the end. The page logs
@@ -262,7 +271,7 @@ def test_notebook_02_live_view_redraws_during_fit(lab, page):
     timings = _open_and_run_all(page, lab, GRPO, run_timeout_s=420)
     draws = page.evaluate(DRAWS_OF, "trainer.fit(")
     log = page.evaluate(DRAW_LOG_OF, "trainer.fit(")
-    total = 25  # the notebook's trainer.fit(steps=25)
+    total = _grpo_default_steps()  # the notebook's trainer.fit(steps=STEPS) at its default length
     drawn = [d for d in log if d["src"] > 0 and d["step"] is not None]  # an image with a PNG in it
     assert drawn and all(d["total"] == total for d in drawn), log
     # while fit still ran: draws at two or more different steps strictly between the first and the last
