@@ -250,6 +250,27 @@ def check_checkpoint(path: str | os.PathLike, state: dict[str, Any], model_path:
         check_shards(path / role, world_size, model_shapes(model_path, head), model_path)
 
 
+def verified_state(path: str | os.PathLike) -> tuple[dict[str, Any], Any]:
+    """``(trainer.json's state, its ParallelPlan)`` of the checkpoint at ``path``, after every check the
+    driver can make before a worker starts (``read_state``, the plan, model and algorithm it names, then
+    ``check_checkpoint`` for the actor and, when the algorithm has one, the critic)."""
+    from rlkit.algos import get_algorithm
+    from rlkit.hub import resolve_checkpoint
+    from rlkit.plan.topology import ParallelPlan
+
+    path = Path(path)
+    state = read_state(path)
+    try:
+        plan = ParallelPlan(**state["plan"])
+        model = resolve_checkpoint(state["model"])
+        needs_critic = get_algorithm(state["algorithm"]).needs_critic
+    except (TypeError, ValueError) as e:  # a plan, model or algorithm that is not there any more
+        raise CheckpointError(f"{path / 'trainer.json'}: {e}") from None
+    roles = [("actor", "lm")] + ([("critic", "value")] if needs_critic else [])
+    check_checkpoint(path, state, model, plan.world_size, roles)
+    return state, plan
+
+
 def damage_report(folder: str | os.PathLike, error: BaseException) -> CheckpointError:
     """A ``CheckpointError`` for ``error`` raised while a rank read the shard folder ``folder`` (torch's
     ``CheckpointException``, an ``OSError``): the damaged file when ``check_shards`` finds one, else the

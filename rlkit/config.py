@@ -131,6 +131,14 @@ class TrainerConfig:
             return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         return self.lr
 
+    def kl_controller(self) -> Any:
+        """The KL coefficient's controller: adaptive (Ziegler et al. 2019) with ``kl_target``, else fixed."""
+        from rlkit.algos import AdaptiveKLController, FixedKLController
+
+        if self.kl_target is not None:
+            return AdaptiveKLController(self.kl_coef, self.kl_target, horizon=10_000)
+        return FixedKLController(self.kl_coef)
+
     def update_settings(self, step: int, policy_loss: Any = None) -> UpdateSettings:
         """What the update calls of ``step`` take: the learning rate then, the PPO settings, the KL as a
         loss term (none when the KL is in the reward), and the algorithm's ``policy_loss``."""

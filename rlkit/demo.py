@@ -17,6 +17,7 @@ def main(quick: bool = False, steps: int | None = None) -> int:
 
     import rlkit
     from rlkit.doctor import main as doctor
+    from rlkit.widgets.live import readable
 
     print("== rlkit doctor ==")
     if doctor() != 0:
@@ -49,8 +50,8 @@ def main(quick: bool = False, steps: int | None = None) -> int:
               f"({last / max(first, 1e-9):.1f}x); {len(df) / wall:.2f} steps/s; weight sync "
               f"{df['sync/seconds'].median() * 1e3:.0f} ms/step ({df['sync/bytes'].iloc[-1] / 2**20:.1f} MiB)")
         print("samples from the last step:")
-        for _, s in trainer.samples(last=1).head(4).iterrows():
-            print(f"  {s['prompt']!r} -> {s['completion']!r}  reward {s['reward']:.3f}")
+        for _, s in trainer.samples(last=1, ids=True).head(4).iterrows():  # stray bytes shown as token ids
+            print(f"  {s['prompt']!r} -> {readable(s['completion'], s['completion_ids'])}  reward {s['reward']:.3f}")
         print(f"metrics, config and plots in {trainer.run_dir}/")
     finally:
         trainer.close()
@@ -115,7 +116,7 @@ trains on ``prompts_per_step`` questions sampled ``n`` times (about 27 s a step 
         while trainer.step < steps:
             trainer.fit(steps=min(eval_every, steps - trainer.step), view=view)
             evaluate()
-        samples = trainer.samples(last=1)
+        samples = trainer.samples(last=1, ids=True)
         metrics = trainer.metrics
     finally:
         trainer.close()
@@ -146,6 +147,8 @@ def real_model_main(model: str = REAL_MODEL, steps: int | None = None, quick: bo
           f"{a['sampled/reward']:.3f}")
     print(f"{steps} steps in {wall / 60:.1f} min ({out['metrics']['timing/step'].median():.1f} s/step median)")
     print("samples from the last step:")
+    from rlkit.widgets.live import readable
+
     for _, s in out["samples"].head(4).iterrows():
-        print(f"  {s['completion']!r}  reward {s['reward']:.2f}")
+        print(f"  {readable(s['completion'], s.get('completion_ids'))}  reward {s['reward']:.2f}")
     return 0

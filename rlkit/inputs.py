@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -208,6 +210,35 @@ def check_generation_layout(rollout: Rollout, placement: Any, model_path: str) -
                            f"engine='hf' for generation TP")
 
 
+def heldout_rows(dataset: Any, task: Any, heldout: Any, train_rows: list[dict[str, Any]], n: int, seed: int,
+                 prompt_column: str) -> list[dict[str, Any]]:
+    """The rows ``Trainer.evaluate`` scores: ``dataset`` when given (its held-out split when it has one), else
+    the task's test split, else the training DatasetDict's "test" / "validation" split, else the training
+    rows.
+
+    >>> heldout_rows([{"prompt": "2+2="}], None, None, [], n=4, seed=1, prompt_column="prompt")
+    [{'prompt': '2+2='}]
+    """
+    if dataset is None and task is not None:
+        return list(task.dataset(n=n, seed=seed, split="test"))
+    if dataset is None and heldout is None:
+        return train_rows
+    return rows_of(heldout if dataset is None else dataset, n, seed, prompt_column, split="heldout")[1]
+
+
+@functools.lru_cache(maxsize=4)
+def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The order the ``n`` dataset rows are visited in during ``epoch`` (seeded, so a resumed run takes the
+    same rows at the same step).
+
+    >>> epoch_order(5, 0, 0) == epoch_order(5, 0, 0) != epoch_order(5, 0, 1)
+    True
+    """
+    order = list(range(n))
+    random.Random(seed * 7_919 + epoch).shuffle(order)
+    return order
+
+
 def interactive() -> bool:
     """True inside IPython / Jupyter (where a cell that builds a Trainer is often run again)."""
     import sys
@@ -219,5 +250,5 @@ def interactive() -> bool:
         return False
 
 
-__all__ = ["check_generation_layout", "check_sizes", "check_types", "config_with", "interactive", "is_chat",
+__all__ = ["check_generation_layout", "check_sizes", "check_types", "config_with", "epoch_order", "heldout_rows", "interactive", "is_chat",
            "load_tokenizer", "longest_prompt", "render_chats", "rows_of"]

@@ -21,6 +21,7 @@ no loss: every layout keeps its shapes) or ``set_rewards``. ``trainer.train_step
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,6 +93,40 @@ class StepBatch:
             raise IndexError(f"sample indices {s.tolist()} are outside 0..{len(self) - 1}")
         return s
 
+    # ---- its metrics ------------------------------------------------------------------------------
+    def metrics_row(self, step: int, layout: Any, settings: Any, actor: dict[str, float],
+                    critic: dict[str, float]) -> dict[str, float]:
+        """The metrics row of the step that trained on this batch (``step``: its number, 1-based): rewards,
+        lengths, advantages, the updates' metrics, phase seconds, the sync's bytes and every process's memory."""
+        t, gen, tensors = self.timings, self.gen, self.tensors
+        valid = torch.isfinite(self.rewards)
+        scores = torch.nan_to_num(self.rewards, nan=0.0)
+        mask = layout.loss_mask(tensors)
+        lengths = mask.sum(1)
+        row = {"step": step, "reward/mean": scores[valid].mean().item() if valid.any() else math.nan,
+               "reward/std": scores[valid].std().item() if valid.sum() > 1 else 0.0,
+               "reward/skipped": int((~valid).sum()), "response_length/mean": lengths.mean().item(),
+               "advantages/mean": masked_stat(tensors["advantages"], mask, "mean"),
+               "advantages/std": masked_stat(tensors["advantages"], mask, "std"),
+               "entropy": actor.get("actor/entropy", math.nan), "actor/lr": settings.lr, **actor, **critic}
+        if self.kl_mean is not None:
+            row["kl"] = self.kl_mean
+        elif "actor/kl_loss" in actor:
+            row["kl"] = actor["actor/kl_loss"]
+        row.update({f"timing/{k}": v for k, v in t.items()})
+        row["timing/step"] = time.perf_counter() - self.started
+        row["tokens_per_s"] = float(gen["attention_mask"].sum()) / row["timing/step"]
+        sync = self.sync
+        row["sync/bytes"] = max(s["bytes"] for s in sync)
+        row["sync/seconds"] = max(s["seconds"] for s in sync)
+        if "param_bytes" in sync[0]:  # the generation layout: parameter memory while generating
+            row["sync/param_bytes"] = max(s["param_bytes"] for s in sync)
+            row["sync/peak_param_bytes"] = max(s["peak_param_bytes"] for s in sync)
+        rss = [s["rss_gb"] for s in sync]  # every process's memory rides along with its part of the sync
+        row["memory/rss_max_gb"] = max(rss)
+        row.update({f"memory/rss_gb/rank{r}": v for r, v in enumerate(rss)})
+        return row
+
     # ---- looking at it --------------------------------------------------------------------------
     def table(self, logprobs: bool = False):
         """One row per sample: prompt uid, dataset row, prompt, completion, reward, tokens, finish
@@ -126,4 +161,16 @@ class StepBatch:
                 f"estimated={self.estimated})")
 
 
-__all__ = ["StepBatch"]
+def masked_stat(x: torch.Tensor, mask: torch.Tensor, what: str) -> float:
+    """The mean (or, with ``what="std"``, the unbiased std) of ``x`` over the tokens of ``mask``; 0 for none.
+
+    >>> masked_stat(torch.tensor([[1., 3., 9.]]), torch.tensor([[1, 1, 0]]), "std")
+    1.4142135381698608
+    """
+    vals = x[mask.bool()]
+    if vals.numel() == 0:
+        return 0.0
+    return (vals.mean() if what == "mean" else vals.std() if vals.numel() > 1 else torch.tensor(0.0)).item()
+
+
+__all__ = ["StepBatch", "masked_stat"]

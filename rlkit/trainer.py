@@ -11,11 +11,8 @@ functions on tensors, picked by name from its registry. The inputs and their che
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
-import math
 import os
-import random
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +33,7 @@ from rlkit.plan.topology import ParallelPlan
 from rlkit.rewards.functions import RewardFunctions
 from rlkit.rollout import Rollout
 from rlkit.run_dir import RunDir
-from rlkit.step_batch import StepBatch
+from rlkit.step_batch import StepBatch, masked_stat
 from rlkit.workers.layout import SequenceLayout
 from rlkit.workers.placement import Placement
 
@@ -110,7 +107,7 @@ class Trainer:
         self.step = 0
         self._rows_log: list[dict[str, Any]] = []
         self._samples: list[dict[str, Any]] = []
-        self.kl_ctl = _kl_controller(self.config)
+        self.kl_ctl = self.config.kl_controller()
         self.run_dir = Path(self.config.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         self.runs = RunDir(self.run_dir)
         self.cluster, self.workers = cluster, None
@@ -255,7 +252,7 @@ class Trainer:
         with _timer(t, "update"):
             actor = w.update_actor(batch.tensors, settings)
         self.step += 1
-        row = self._row(batch, settings, actor, critic)
+        row = batch.metrics_row(self.step, self.layout, settings, actor, critic)
         self._log(row, batch.prompts, batch.gen, batch.rewards)
         return row
 
@@ -272,15 +269,10 @@ class Trainer:
         out = []
         for i in range(self.step * k, self.step * k + k):
             epoch, pos = divmod(i, n)
-            order = self._epoch_order(epoch)
+            order = inputs.epoch_order(n, self.config.seed, epoch)
             out.append(dict(self.rows[order[pos]], _row=order[pos]))
         return out
 
-    @functools.lru_cache(maxsize=2)  # noqa: B019 (a handful of small lists for the trainer's lifetime)
-    def _epoch_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.rows)))
-        random.Random(self.config.seed * 7_919 + epoch).shuffle(order)
-        return order
 
     def _advantages(self, batch: dict[str, Any], scores: torch.Tensor, gen: dict[str, Any],
                     sampling_logprobs: torch.Tensor | None) -> float | None:
@@ -302,7 +294,7 @@ class Trainer:
                                                 batch["ref_logprobs"], mask, self.kl_ctl, kind="k1")
             self.kl_ctl.update(kl_mean, len(scores))
         elif c.kl_coef > 0 and "old_logprobs" in batch:
-            kl_mean = _masked(kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], c.kl_kind), mask, "mean")
+            kl_mean = masked_stat(kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], c.kl_kind), mask, "mean")
         name = self.algo.advantage
         # a sample with no reward (skipped, dropped) is a group of its own: it moves no baseline of the others
         skipped = ~mask.bool().any(1)
@@ -320,36 +312,6 @@ class Trainer:
         return self.config.update_settings(self.step, self.policy_loss)
 
     # ---- results ---------------------------------------------------------------------------------
-    def _row(self, batch: StepBatch, settings: Any, actor: dict[str, float], critic: dict[str, float]) -> dict:
-        t, gen, tensors = batch.timings, batch.gen, batch.tensors
-        valid = torch.isfinite(batch.rewards)
-        scores = torch.nan_to_num(batch.rewards, nan=0.0)
-        mask = self.layout.loss_mask(tensors)
-        lengths = mask.sum(1)
-        row = {"step": self.step, "reward/mean": scores[valid].mean().item() if valid.any() else math.nan,
-               "reward/std": scores[valid].std().item() if valid.sum() > 1 else 0.0,
-               "reward/skipped": int((~valid).sum()), "response_length/mean": lengths.mean().item(),
-               "advantages/mean": _masked(tensors["advantages"], mask, "mean"),
-               "advantages/std": _masked(tensors["advantages"], mask, "std"),
-               "entropy": actor.get("actor/entropy", math.nan), "actor/lr": settings.lr, **actor, **critic}
-        if batch.kl_mean is not None:
-            row["kl"] = batch.kl_mean
-        elif "actor/kl_loss" in actor:
-            row["kl"] = actor["actor/kl_loss"]
-        row.update({f"timing/{k}": v for k, v in t.items()})
-        row["timing/step"] = time.perf_counter() - batch.started
-        row["tokens_per_s"] = float(gen["attention_mask"].sum()) / row["timing/step"]
-        sync = batch.sync
-        row["sync/bytes"] = max(s["bytes"] for s in sync)
-        row["sync/seconds"] = max(s["seconds"] for s in sync)
-        if "param_bytes" in sync[0]:  # the generation layout: parameter memory while generating
-            row["sync/param_bytes"] = max(s["param_bytes"] for s in sync)
-            row["sync/peak_param_bytes"] = max(s["peak_param_bytes"] for s in sync)
-        rss = [s["rss_gb"] for s in sync]  # every process's memory rides along with its part of the sync
-        row["memory/rss_max_gb"] = max(rss)
-        row.update({f"memory/rss_gb/rank{r}": v for r, v in enumerate(rss)})
-        return row
-
     def _log(self, row: dict[str, Any], prompts: list[dict[str, Any]], gen: dict[str, Any],
              scores: torch.Tensor) -> None:
         self._rows_log.append(row)
@@ -357,8 +319,9 @@ class Trainer:
         # never leaves half a line, and a resumed run never repeats step numbers (see load)
         self.runs.write_metrics(self._rows_log)
         for i, u in enumerate(gen["uid"]):
-            self._samples.append({"step": self.step, "prompt": prompts[u]["prompt"],
-                                  "completion": gen["completion"][i], "reward": float(scores[i])})
+            ids = gen["input_ids"][i, self.layout.prompt_len:][gen["attention_mask"][i, self.layout.prompt_len:].bool()]
+            self._samples.append({"step": self.step, "prompt": prompts[u]["prompt"], "completion": gen["completion"][i],
+                                  "reward": float(scores[i]), "completion_ids": ids.tolist()})
         del self._samples[:max(0, len(self._samples) - self.config.keep_samples)]  # [:-0] would keep all
         trackers = self._open_trackers()  # report_to: the row, and this step's samples as a table
         if trackers:
@@ -382,23 +345,21 @@ class Trainer:
 
         return pd.DataFrame(self._rows_log)
 
-    def samples(self, last: int | None = None):
-        """Prompts, completions and rewards of recent steps (a DataFrame)."""
+    def samples(self, last: int | None = None, ids: bool = False):
+        """Prompts, completions and rewards of recent steps (a DataFrame); with ``ids`` also each completion's
+        token ids (``rlkit.widgets.live.readable_samples`` shows them where the text is not printable)."""
         import pandas as pd
 
         df = pd.DataFrame(self._samples)
+        if not ids and not df.empty:
+            df = df.drop(columns=["completion_ids"])
         return df if last is None or df.empty else df[df.step > self.step - last]
 
     def evaluate(self, dataset: Any = None, n: int = 64, greedy: bool = True) -> dict[str, float]:
         """Mean reward (and exact-match rate: reward == 1) of the current policy on held-out prompts: the
         task's test split, the "test" / "validation" split of a DatasetDict, else the training rows."""
-        if dataset is None and self.task is not None:
-            rows = list(self.task.dataset(n=n, seed=self.config.seed + 1, split="test"))
-        elif dataset is None and self._heldout is None:
-            rows = self.rows
-        else:
-            _, rows = inputs.rows_of(self._heldout if dataset is None else dataset, n, self.config.seed + 1,
-                                     self.config.prompt_column, split="heldout")
+        rows = inputs.heldout_rows(dataset, self.task, self._heldout, self.rows, n, self.config.seed + 1,
+                                   self.config.prompt_column)
         rows = inputs.render_chats(rows, self.tokenizer, self.model_path)
         rows = [dict(r, _row=i) for i, r in enumerate(rows[:n])]
         rows = rows[:len(rows) - len(rows) % self.plan.dp] or rows
@@ -456,18 +417,10 @@ class Trainer:
         damaged file, another model's checkpoint or a newer rlkit's is a ``CheckpointError`` naming the file
         and the fix. Loading never writes into ``path``."""
         from rlkit import checkpoint
-        from rlkit.errors import CheckpointError, WorkerError
+        from rlkit.errors import WorkerError
 
         path = Path(path).expanduser().absolute()
-        state = checkpoint.read_state(path)
-        try:
-            plan = ParallelPlan(**state["plan"])
-            model = resolve_checkpoint(state["model"])
-            needs_critic = get_algorithm(state["algorithm"]).needs_critic
-        except (TypeError, ValueError) as e:  # a plan, model or algorithm that is not there any more
-            raise CheckpointError(f"{path / 'trainer.json'}: {e}") from None
-        roles = [("actor", "lm")] + ([("critic", "value")] if needs_critic else [])
-        checkpoint.check_checkpoint(path, state, model, plan.world_size, roles)
+        state, plan = checkpoint.verified_state(path)  # every check the driver can make, before any worker
         config = TrainerConfig(**{**state["config"], **overrides})
         self = cls(state["model"], dataset, reward, state["algorithm"], plan=plan,
                    rollout=Rollout(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["rollout"].items()}),
@@ -519,21 +472,6 @@ def _timer(t: dict[str, float], name: str):
     t0 = time.perf_counter()
     yield
     t[name] = t.get(name, 0.0) + time.perf_counter() - t0
-
-
-def _kl_controller(config: TrainerConfig):
-    from rlkit.algos import AdaptiveKLController, FixedKLController
-
-    if config.kl_target is not None:
-        return AdaptiveKLController(config.kl_coef, config.kl_target, horizon=10_000)
-    return FixedKLController(config.kl_coef)
-
-
-def _masked(x: torch.Tensor, mask: torch.Tensor, what: str) -> float:
-    vals = x[mask.bool()]
-    if vals.numel() == 0:
-        return 0.0
-    return (vals.mean() if what == "mean" else vals.std() if vals.numel() > 1 else torch.tensor(0.0)).item()
 
 
 __all__ = ["RewardError", "Trainer", "TrainerConfig", "TrainerError"]
