@@ -49,6 +49,8 @@ class TrainerConfig:
     entropy_coef: float = 0.0
     max_grad_norm: float | None = 1.0
     precision: str = "fp32"              # "bf16-mixed": bf16 autocast on fp32 weights (TRL's bf16=True)
+    padding_free: bool = True            # pack sequences, pay for real tokens only (False: the padded layout)
+    micro_batch_tokens: int | None = None  # padding-free: tokens per micro-batch (None: the plan's micro-batches)
     gamma: float = 1.0                   # GAE (ppo)
     lam: float = 1.0
     critic_lr: float = 1e-4
@@ -104,6 +106,12 @@ class TrainerConfig:
         number("entropy_coef", self.entropy_coef, ge=0, hint="0 turns the entropy bonus off; e.g. 1e-3", **err)
         number("max_grad_norm", self.max_grad_norm, gt=0, none_ok=True, hint="None turns clipping off", **err)
         choice("precision", self.precision, tuple(PRECISIONS), **err)
+        boolean("padding_free", self.padding_free, **err)
+        integer("micro_batch_tokens", self.micro_batch_tokens, none_ok=True,
+                hint="tokens per micro-batch, at least the longest prompt + response, e.g. 4096", **err)
+        if self.micro_batch_tokens is not None and not self.padding_free:
+            raise TrainerError(f"micro_batch_tokens={self.micro_batch_tokens} sizes padding-free micro-batches; "
+                               f"set padding_free=True, or micro_batch_tokens=None for the padded layout")
         number("gamma", self.gamma, ge=0, le=1, hint="1.0 for LLM RL", **err)
         number("lam", self.lam, ge=0, le=1, hint="1.0 for LLM RL, 0.95 in classic PPO", **err)
         number("value_clip", self.value_clip, gt=0, none_ok=True, hint="PPO uses 0.2; None turns it off", **err)

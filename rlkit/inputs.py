@@ -190,6 +190,15 @@ def check_sizes(config: TrainerConfig, plan: ParallelPlan, rollout: Rollout, alg
                            f"{algorithm.min_samples}), got n={rollout.n}")
 
 
+def check_token_budget(config: TrainerConfig, layout: Any) -> None:
+    """A padding-free micro-batch must hold the longest sequence the run can make (prompt + response)."""
+    budget = config.micro_batch_tokens
+    if budget is not None and budget < layout.width:
+        raise TrainerError(f"micro_batch_tokens={budget} is smaller than the longest sequence this run can make: "
+                           f"{layout.width} tokens (the longest prompt, {layout.prompt_len}, + Rollout.max_new_tokens="
+                           f"{layout.response_len}); use micro_batch_tokens >= {layout.width}")
+
+
 def check_generation_layout(rollout: Rollout, placement: Any, model_path: str) -> None:
     """``Rollout(tp=t_g)``: the generation layout must fit the placement, the plan, the model and the engine."""
     tg = rollout.tp

@@ -31,6 +31,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="tiny-qwen2", help="a path / hub id, or tiny-qwen2 | tiny-llama")
     p.add_argument("--head", default="lm", choices=["lm", "value"])
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--padding-free", action="store_true",
+                   help="packed rows and token-weighted micro-batches against the padded single process")
+    p.add_argument("--token-budget", type=int, default=None, help="tokens per micro-batch (with --padding-free)")
     p.add_argument("--ckpt", default=None, help="folder for a save -> load -> continue check")
     p.add_argument("--json", default=None, help="write the report here (rank 0)")
     p.add_argument("--tol", type=float, default=1e-5)
@@ -93,7 +96,8 @@ def main(argv=None) -> int:
                 return 0
             rep = run_check(model, plan, steps=args.steps, seq_len=args.seq_len,
                             micro_batch_size=args.micro_batch_size, head=args.head, ckpt_dir=args.ckpt, lr=args.lr,
-                            fail_rank=args.fail_rank, activation_checkpointing=args.activation_checkpointing)
+                            fail_rank=args.fail_rank, activation_checkpointing=args.activation_checkpointing,
+                            padding_free=args.padding_free, token_budget=args.token_budget)
     except WorkerError as e:
         # The failing rank prints the whole traceback; the others one line naming it.
         text = str(e) if e.rank == rank else str(e).splitlines()[0]

@@ -22,8 +22,9 @@ from rlkit.parallel.stage import position_ids_from_mask
 from rlkit.plan.topology import ParallelPlan
 
 
-def make_batch(n: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A padded RL-like batch: prompts (some left-padded) + responses (some right-padded)."""
+def make_batch(n: int, seq_len: int, vocab: int, seed: int = 0, ragged: bool = False) -> dict[str, torch.Tensor]:
+    """A padded RL-like batch: prompts (some left-padded) + responses (some right-padded). ``ragged``:
+    lengths that vary as RL responses do (a row may keep two tokens of its response or all of them)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (n, seq_len), generator=g)
     am = torch.ones(n, seq_len, dtype=torch.long)
@@ -31,6 +32,9 @@ def make_batch(n: int, seq_len: int, vocab: int, seed: int = 0) -> dict[str, tor
     resp = torch.zeros(n, seq_len, dtype=torch.long)
     for i in range(n):
         left, right = (i % 3), (i * 2) % 4          # a few pads on either side, varying by row
+        if ragged:
+            left = int(torch.randint(0, prompt - 1, (1,), generator=g))
+            right = int(torch.randint(0, seq_len - prompt - 1, (1,), generator=g))
         am[i, :left] = 0
         am[i, seq_len - right:] = 0
         resp[i, prompt:seq_len - right] = 1
@@ -72,14 +76,21 @@ def reference_forward(hf: nn.Module, value_head: nn.Module | None, batch: dict[s
 
 def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 16, micro_batch_size: int = 1,
               head: str = "lm", lr: float = 1e-3, max_grad_norm: float = 1.0, ckpt_dir: str | None = None,
-              seed: int = 0, fail_rank: int | None = None, activation_checkpointing: bool = False) -> dict[str, Any]:
-    """Run the plan and the reference side by side; returns the report (complete on rank 0)."""
+              seed: int = 0, fail_rank: int | None = None, activation_checkpointing: bool = False,
+              padding_free: bool = False, token_budget: int | None = None) -> dict[str, Any]:
+    """Run the plan and the reference side by side; returns the report (complete on rank 0).
+
+    ``padding_free``: the plan runs packed rows (``token_budget`` tokens per micro-batch) on a ragged batch,
+    each micro-batch weighted by its response tokens; the reference is the padded model on the whole
+    batch at once, so the objective must be the step's token mean however the plan cut it."""
     rank = dist.get_rank()
     ref = load_hf(model)
     # eps=1e-6: Adam divides by sqrt(v) + eps, so with 1e-8 a 1e-10 difference in a near-zero
     # gradient (reduction order) moves a weight by ~1e-2 * lr; 1e-6 keeps the comparison tight.
     opt = dict(lr=lr, weight_decay=0.01, eps=1e-6, activation_checkpointing=activation_checkpointing)
     pm = ParallelModel(model, plan, head=head, max_grad_norm=max_grad_norm, seed=seed, **opt)
+    pm.set_packing(padding_free, token_budget)
+    weight_fn = _response_tokens if padding_free else None
     if fail_rank is not None and rank == fail_rank:
         raise RuntimeError(f"injected failure on rank {rank} (--fail-rank)")
     ref_vh = None
@@ -101,7 +112,7 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     n = plan.dp * m * micro_batch_size
     batches = []
     for s in range(steps):
-        b = make_batch(n, seq_len, ref.config.vocab_size, seed=seed + s)
+        b = make_batch(n, seq_len, ref.config.vocab_size, seed=seed + s, ragged=padding_free)
         with torch.no_grad():  # old log-probs: the reference's, slightly perturbed (ratio != 1)
             old = reference_forward(ref, None, b)["logprobs"] if head == "lm" else None
         if old is not None:
@@ -109,7 +120,8 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
         batches.append(b)
 
     def ref_step(b, do_step=True):
-        chunks = [c for d in _chunks(b, plan.dp) for c in _chunks(d, m)]  # same micro-batches as the plan
+        # the plan's micro-batches; padding-free: the whole batch (its objective is the step's token mean)
+        chunks = [b] if padding_free else [c for d in _chunks(b, plan.dp) for c in _chunks(d, m)]
         loss = sum(loss_fn(reference_forward(ref, ref_vh, c), c) for c in chunks) / len(chunks)
         loss.backward()
         if do_step:
@@ -118,7 +130,8 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
             ref_opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    report: dict[str, Any] = {"plan": plan.describe(), "world_size": plan.world_size, "head": head}
+    report: dict[str, Any] = {"plan": plan.describe(), "world_size": plan.world_size, "head": head,
+                              "padding_free": padding_free, "token_budget": token_budget}
     mine = pm.shard_batch(batches[0])
     # 1. forward-only outputs on valid positions (token t and its predecessor are real tokens)
     with torch.no_grad():
@@ -131,7 +144,7 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     diffs = {k: _max(((got[k] - ref_out[k]).abs() * valid).max()) for k in got}
 
     # 2. loss and gradients of one step
-    loss = pm.forward_backward(mine, loss_fn)
+    loss = pm.forward_backward(mine, loss_fn, weight_fn)
     ref_loss = ref_step(batches[0], do_step=False)
     gdiff = 0.0
     tied = pm.tied
@@ -155,7 +168,7 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     times, losses = [], [loss]
     for b in batches[1:]:
         t0 = time.perf_counter()
-        out = pm.train_step(pm.shard_batch(b), loss_fn)
+        out = pm.train_step(pm.shard_batch(b), loss_fn, weight_fn)
         times.append(time.perf_counter() - t0)
         losses.append(out["loss"])
         ref_step(b)
@@ -205,10 +218,11 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     # 5. save -> load into a fresh ParallelModel -> continue == uninterrupted run
     if ckpt is not None:
         pm2 = ParallelModel(model, plan, head=head, max_grad_norm=max_grad_norm, seed=seed, groups=pm.groups, **opt)
+        pm2.set_packing(padding_free, token_budget)
         pm2.load(ckpt)
         resumed_step = pm2.step
         for b in batches[1:]:
-            pm2.train_step(pm2.shard_batch(b), loss_fn)
+            pm2.train_step(pm2.shard_batch(b), loss_fn, weight_fn)
         sd2 = pm2.full_state_dict(to=0)
         if rank == 0:
             report["resume_step"] = resumed_step
@@ -300,6 +314,11 @@ def compare_with_estimate(measured, plan: ParallelPlan, config, seq_len: int, mi
     est = est.assign(activations=est["activations"] + est["logits"])
     cols = ["rank", "weights", "grads", "optimizer", "activations"]
     return compare_memory(est[cols], measured[cols]).to_dict(orient="records")
+
+
+def _response_tokens(mb: dict[str, torch.Tensor]) -> float:
+    """A micro-batch's weight in a token-mean objective: its response tokens."""
+    return float(mb["response_mask"].sum())
 
 
 def _chunks(b: dict[str, torch.Tensor], k: int):

@@ -38,10 +38,13 @@ from rlkit.errors import CheckpointError, PlanError
 from rlkit.parallel.apply import apply_ac, apply_fsdp, apply_tp
 from rlkit.parallel.groups import ProcessGroups, build_groups, device_type
 from rlkit.parallel.loading import CheckpointReader, can_load_sharded, empty_model, materialize
+from rlkit.parallel.packing import PackedMicroBatch, pack
 from rlkit.parallel.stage import split_stages
 from rlkit.plan.topology import ParallelPlan
 
 LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]
+# A micro-batch's weight in the step's objective (e.g. its loss tokens): see ParallelModel.forward_backward
+WeightFn = Callable[[dict[str, torch.Tensor]], float]
 
 
 # Training precisions: the autocast dtype of the stages' forward (and so backward); None is plain fp32.
@@ -165,6 +168,7 @@ class ParallelModel:
         self._loss_ctx: dict[str, Any] = {}
         self.last_grad_bytes = 0
         self.last_transfer: dict[str, float] = {}
+        self.padding_free, self.token_budget = False, None  # set_packing
 
     # ---- batches -----------------------------------------------------------------------------------
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
@@ -200,6 +204,36 @@ class ParallelModel:
         for st in self.stages:
             st.score_from, st.entropy_grad = int(first_column), bool(entropy_grad)  # token_logprobs clamps to >= 1
 
+    def set_packing(self, padding_free: bool = True, token_budget: int | None = None) -> None:
+        """Run every forward and update on packed rows (``rlkit.parallel.packing``): the real tokens of
+        several sequences share a row, with attention that cannot cross them, and a micro-batch holds up
+        to ``token_budget`` tokens (None: the plan's ``n_micro_batches``). Outputs and losses see the
+        batch's own layout, exactly as padded (the sequences' tokens get the same hidden states).
+
+        >>> pm.set_packing(token_budget=4096)                                       # doctest: +SKIP
+        """
+        if token_budget is not None and (isinstance(token_budget, bool) or not isinstance(token_budget, int)
+                                         or token_budget < 1):
+            raise PlanError(f"token_budget={token_budget!r} must be a positive int (tokens per micro-batch) or None")
+        self.padding_free, self.token_budget = bool(padding_free), token_budget
+
+    def _pack(self, batch: dict[str, Any]) -> list[PackedMicroBatch]:
+        """This rank's packed micro-batches. DP ranks hold different sequences, so they may need different
+        numbers of micro-batches; every rank takes the largest (FSDP gathers once per forward on each)."""
+        score_from = self.stages[0].score_from if self.head == "lm" else 1
+
+        def packed(n_micro: int) -> list[PackedMicroBatch]:
+            return pack(batch["input_ids"], batch["attention_mask"], token_budget=self.token_budget, n_micro=n_micro,
+                        score_from=score_from, equal_shapes=self.plan.pp > 1, keep_empty=self.dp_size > 1)
+
+        packs = packed(self.plan.n_micro_batches)
+        if self.dp_size > 1:
+            most = torch.tensor(len(packs), device=self.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.dp_group)
+            if int(most) > len(packs):
+                packs = packed(int(most))
+        return packs
+
     # ---- forward only ------------------------------------------------------------------------------
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -209,6 +243,8 @@ class ParallelModel:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         batch = {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device)}
+        if self.padding_free:
+            return self._packed_forward(batch)
         m = self._micro_batches(batch)
         for st in self.stages:
             st.eval()
@@ -246,41 +282,118 @@ class ParallelModel:
             dist.broadcast(t, src=src, group=self.pp_group)
         return dict(zip(names, out))
 
+    def _packed_forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        packs = self._pack(batch)
+        names = ["values"] if self.head == "value" else ["logprobs", "entropy"]
+        for st in self.stages:
+            st.eval()
+        try:
+            if self.plan.pp == 1:
+                outs = [self._as_dict(self.stages[0](pk.input_ids, attention_mask=pk.segments, labels=pk.labels))
+                        for pk in packs]
+            else:
+                self._loss_ctx = {"loss_fn": None}
+                joined = self._pp_packed_call(packs, None)
+                self._loss_ctx = {}
+                outs = [dict(zip(joined, parts)) for parts in zip(*(v.chunk(len(packs)) for v in joined.values()))]
+        finally:
+            for st in self.stages:
+                st.train()
+        b, s = batch["input_ids"].shape
+        full_out = {k: torch.zeros(b, s, device=self.device) for k in names}
+        for pk, o in zip(packs, outs):
+            for k in names:
+                full_out[k][pk.rows] = pk.unpack(o[k])
+        return full_out
+
+    def _pp_packed_call(self, packs: list[PackedMicroBatch], loss_fn: LossFn | None,
+                        losses: list | None = None) -> dict[str, torch.Tensor]:
+        """One pipeline schedule over packed micro-batches of equal shape: ``eval`` without a loss (the
+        last stage's outputs, shared along the pipeline), ``step`` with one."""
+        ids = torch.cat([pk.input_ids for pk in packs])
+        seg = torch.cat([pk.segments for pk in packs])
+        labels = torch.cat([pk.labels for pk in packs])
+        m = len(packs)
+        sched = self._schedule({"input_ids": ids}, m)
+        args = (ids,) if self.has_first else ()
+        extra: dict[str, Any] = {}
+        if self.has_last:  # the target is each row's micro-batch number: _pp_loss finds its samples with it
+            extra["target"] = torch.arange(m, device=self.device).repeat_interleave(len(packs[0].input_ids))
+        if loss_fn is None:
+            res = sched.eval(*args, attention_mask=seg, labels=labels, **extra)
+        else:
+            sched.step(*args, attention_mask=seg, labels=labels, **extra, **({"losses": losses} if self.has_last else {}))
+            return {}
+        names = ["values"] if self.head == "value" else ["logprobs", "entropy"]
+        if self.has_last:
+            res = (res,) if torch.is_tensor(res) else res
+            out = [t.float().contiguous() for t in res]
+        else:
+            out = [torch.empty(ids.shape, device=self.device) for _ in names]
+        src = dist.get_global_rank(self.pp_group, self.plan.pp - 1)
+        for t in out:
+            dist.broadcast(t, src=src, group=self.pp_group)
+        return dict(zip(names, out))
+
     def _as_dict(self, out) -> dict[str, torch.Tensor]:
         if self.head == "value":
             return {"values": out}
         return {"logprobs": out[0], "entropy": out[1]}
 
     # ---- training ----------------------------------------------------------------------------------
-    def forward_backward(self, batch: dict[str, Any], loss_fn: LossFn) -> float:
-        """Accumulate gradients of mean-over-micro-batches ``loss_fn`` on this rank's batch.
+    def forward_backward(self, batch: dict[str, Any], loss_fn: LossFn, weight_fn: WeightFn | None = None) -> float:
+        """Accumulate the gradients of the step's objective on this rank's batch.
 
-        Returns the loss averaged over micro-batches and DP ranks (same value on every rank)."""
+        The objective is ``sum(w * loss_fn(out, mb)) / sum(w)`` over the micro-batches of every DP rank,
+        ``w = weight_fn(mb)``. A loss that is a mean over a micro-batch's tokens, weighted by its token
+        count, is then the mean over the step's tokens however the batch is cut into micro-batches and
+        ranks (padding-free micro-batches hold varying numbers of sequences). Without ``weight_fn`` each
+        micro-batch weighs the same: the mean over micro-batches and DP ranks.
+
+        Returns the objective's value (the same on every rank)."""
         batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         batch.setdefault("attention_mask", torch.ones_like(batch["input_ids"]))
-        m = self._micro_batches(batch)
+        packs = self._pack(batch) if self.padding_free else None
+        parts = [_rows(batch, pk.rows) for pk in packs] if packs else list(_split(batch, self._micro_batches(batch)))
+        m = len(parts)
+        weights = [1.0] * m if weight_fn is None else [float(weight_fn(mb)) if _batch_size(mb) else 0.0
+                                                     for mb in parts]
+        total_weight = torch.tensor(sum(weights), dtype=torch.float64, device=self.device)
+        if self.dp_size > 1:  # every rank of a DP group holds the same micro-batches: one sum over the groups
+            dist.all_reduce(total_weight, group=self.dp_group)
+        # FSDP averages gradients over the DP ranks: the dp_size here undoes it, so the objective is a sum
+        scales = [w * self.dp_size / total_weight.item() if total_weight.item() > 0 else 0.0 for w in weights]
         total = torch.zeros((), device=self.device)
         if self.plan.pp == 1:
             st = self.stages[0]
-            for j, mb in enumerate(_split(batch, m)):
+            for j, mb in enumerate(parts):
                 if hasattr(st, "set_requires_gradient_sync"):  # FSDP: reduce grads once, on the last one
                     st.set_requires_gradient_sync(j == m - 1)
-                out = self._as_dict(st(mb["input_ids"], attention_mask=mb["attention_mask"],
-                                       labels=mb["input_ids"]))
-                loss = loss_fn(out, mb)
-                (loss / m).backward()
-                total += loss.detach() / m
+                if packs:
+                    pk = packs[j]
+                    raw = self._as_dict(st(pk.input_ids, attention_mask=pk.segments, labels=pk.labels))
+                    out = {k: pk.unpack(v) for k, v in raw.items()}
+                else:
+                    out = self._as_dict(st(mb["input_ids"], attention_mask=mb["attention_mask"], labels=mb["input_ids"]))
+                # an empty micro-batch (a DP rank with fewer sequences) adds nothing, but FSDP needs its backward
+                loss = loss_fn(out, mb) if _batch_size(mb) else sum(v.sum() for v in out.values()) * 0.0
+                (loss / m if weight_fn is None else loss * scales[j]).backward()
+                total += loss.detach() / m if weight_fn is None else loss.detach() * scales[j]
         else:
-            sched = self._schedule(batch, m)
-            self._loss_ctx = {"batch": batch, "loss_fn": loss_fn}
-            args = (batch["input_ids"],) if self.has_first else ()
-            losses: list[torch.Tensor] = []
-            extra = {"target": torch.arange(_batch_size(batch), device=self.device), "losses": losses} \
-                if self.has_last else {}
-            sched.step(*args, attention_mask=batch["attention_mask"], labels=batch["input_ids"], **extra)
+            self._loss_ctx = {"batch": batch, "loss_fn": loss_fn, "parts": parts, "packs": packs, "scales": scales,
+                              "weighted": weight_fn is not None}
+            losses: list[torch.Tensor] = []  # what _pp_loss returned, per micro-batch
+            if packs:
+                self._pp_packed_call(packs, loss_fn, losses)
+            else:
+                sched = self._schedule(batch, m)
+                args = (batch["input_ids"],) if self.has_first else ()
+                extra = {"target": torch.arange(_batch_size(batch), device=self.device), "losses": losses} \
+                    if self.has_last else {}
+                sched.step(*args, attention_mask=batch["attention_mask"], labels=batch["input_ids"], **extra)
             self._loss_ctx = {}
-            if self.has_last:
-                total += torch.stack([x.detach() for x in losses]).mean()
+            if self.has_last:  # weighted: each came back times its scale and m (see _pp_loss)
+                total += torch.stack([x.detach() for x in losses]).sum() / m
             dist.all_reduce(total, group=self.pp_group)  # only the last stage contributed
         if self.dp_size > 1:
             dist.all_reduce(total, group=self.dp_group)
@@ -297,14 +410,24 @@ class ParallelModel:
         self.last_grad_bytes = _bytes([p.grad for p in self.params if p.grad is not None])
         return total.item()
 
-    def _pp_loss(self, output, idx: torch.Tensor) -> torch.Tensor:
-        # The pipeline schedule hands the last stage's output and the target micro-batch; the target
-        # is the micro-batch's row indices, so the user's loss sees every column of its rows.
+    def _pp_loss(self, output, target: torch.Tensor) -> torch.Tensor:
+        # The schedule hands the last stage's output and the target's micro-batch slice: row indices of
+        # the batch, or (packed) the micro-batch's number on every row. The user's loss sees its samples
+        # in the batch's layout; the schedule divides gradients by the micro-batch count, undone here.
         ctx = self._loss_ctx
         if ctx["loss_fn"] is None:
             return torch.zeros((), device=self.device)
-        mb = {k: v[idx] if torch.is_tensor(v) else v for k, v in ctx["batch"].items()}
-        return ctx["loss_fn"](self._as_dict(output), mb)
+        out = self._as_dict(output)
+        if ctx["packs"]:
+            j = int(target[0])
+            out = {k: ctx["packs"][j].unpack(v) for k, v in out.items()}
+        else:
+            j = int(target[0]) // len(target)
+        mb = ctx["parts"][j]
+        if not _batch_size(mb):  # an empty row of a packed pipeline: keep the graph, add nothing
+            return sum(v.sum() for v in out.values()) * 0.0
+        loss = ctx["loss_fn"](out, mb)
+        return loss * (ctx["scales"][j] * len(ctx["parts"])) if ctx["weighted"] else loss
 
     def optimizer_step(self) -> float:
         """Clip (global grad norm over all dims) and step AdamW; returns the pre-clip grad norm."""
@@ -319,10 +442,11 @@ class ParallelModel:
         self.step += 1
         return norm
 
-    def train_step(self, batch: dict[str, Any], loss_fn: LossFn) -> dict[str, float]:
-        """forward + loss + backward (micro-batched) + clip + AdamW step on this rank's batch."""
+    def train_step(self, batch: dict[str, Any], loss_fn: LossFn, weight_fn: WeightFn | None = None) -> dict[str, float]:
+        """forward + loss + backward (micro-batched) + clip + AdamW step on this rank's batch
+        (``weight_fn``: see ``forward_backward``)."""
         t0 = time.perf_counter()
-        loss = self.forward_backward(batch, loss_fn)
+        loss = self.forward_backward(batch, loss_fn, weight_fn)
         norm = self.optimizer_step()
         return {"loss": loss, "grad_norm": norm, "step": self.step, "step_time_s": time.perf_counter() - t0}
 
@@ -589,6 +713,12 @@ def _split(batch: dict[str, Any], m: int):
     n = _batch_size(batch) // m
     for j in range(m):
         yield {k: v[j * n:(j + 1) * n] if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def _rows(batch: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
+    """The samples ``rows`` of a batch (tensors indexed along dim 0; other values kept)."""
+    rows = rows.to(batch["input_ids"].device)
+    return {k: v[rows] if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
 def _batch_size(batch: dict[str, Any]) -> int:

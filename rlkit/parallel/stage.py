@@ -8,6 +8,13 @@ state dicts, checkpoints and gradient comparisons need no renaming.
 HF decoder layers are called directly, so the stage supplies what ``LlamaModel.forward`` would:
 rotary ``position_embeddings``, position ids that skip left padding, and an explicit 4D additive
 mask (causal AND not padding) - eager attention without a mask is not causal.
+
+The ``attention_mask`` a stage takes may hold *segment ids* instead of 0/1: several sequences packed
+into one row (``rlkit.parallel.packing``), token ``t`` belonging to sequence ``attention_mask[t]`` (0:
+padding). Positions restart at each sequence and the mask is block-diagonal, so no token attends across
+a sequence boundary: each sequence gets exactly the hidden states it would get alone. A 0/1 mask is the
+one-sequence-per-row case, computed exactly as before. Labels of ``IGNORE`` (-100, HF's convention) are
+not scored: a packed row scores its response tokens only.
 """
 
 from __future__ import annotations
@@ -16,30 +23,53 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from rlkit.algos.losses import entropy_from_logprobs
 from rlkit.errors import PlanError
 from rlkit.plan.topology import ParallelPlan
 
+IGNORE = -100  # a label that is not scored (HF's ignore_index)
+
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """0, 1, 2, ... over real tokens; left padding gets 0 (it is masked anyway)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    """0, 1, 2, ... over each sequence's real tokens; padding gets 0 (it is masked anyway).
+
+    With segment ids (packed rows) positions restart at every sequence:
+
+    >>> position_ids_from_mask(torch.tensor([[0, 1, 1, 1]])).tolist()
+    [[0, 0, 1, 2]]
+    >>> position_ids_from_mask(torch.tensor([[1, 1, 1, 2, 2, 0]])).tolist()
+    [[0, 1, 2, 0, 1, 0]]
+    """
+    real = attention_mask != 0
+    count = real.long().cumsum(-1)
+    if not bool((attention_mask > 1).any()):
+        return (count - 1).clamp(min=0)  # one sequence per row
+    # packed: count from each sequence's first token (the count before it, carried forward by cummax)
+    starts = real & (attention_mask != F.pad(attention_mask, (1, 0))[:, :-1])
+    before = torch.where(starts, count - 1, torch.zeros_like(count)).cummax(-1).values
+    return torch.where(real, count - before - 1, torch.zeros_like(count))
 
 
 def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(B, 1, S, S) additive mask: 0 where query i may attend key j (j <= i and j is a real token).
+    """(B, 1, S, S) additive mask: 0 where query i may attend key j (j <= i, j is a real token, and with
+    segment ids both belong to the same sequence: block-diagonal).
 
     Fully masked rows (queries on left padding) get a uniform softmax rather than NaN, since the
     fill value is finfo.min, not -inf; those positions are ignored downstream.
 
     >>> causal_padding_mask(torch.tensor([[0, 1, 1]]), torch.float32)[0, 0].eq(0).int().tolist()
     [[0, 0, 0], [0, 1, 0], [0, 1, 1]]
+    >>> causal_padding_mask(torch.tensor([[1, 1, 2]]), torch.float32)[0, 0].eq(0).int().tolist()
+    [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
     """
     s = attention_mask.shape[-1]
     causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()
     allowed = causal[None] & attention_mask.bool()[:, None, :]
+    if bool((attention_mask > 1).any()):  # packed rows: a query sees its own sequence only
+        allowed &= attention_mask[:, :, None] == attention_mask[:, None, :]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=attention_mask.device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
@@ -52,6 +82,7 @@ def token_logprobs(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, 
     inference never holds (B, S, V) at once. Only columns ``>= first`` are scored (the others are 0):
     RL reads the response's columns only, and the prompt's would cost the vocab head for nothing.
     ``entropy_grad=False`` computes the entropy without autograd (a metric, not a loss term).
+    Labels of ``IGNORE`` mark columns not to score (``first`` is then not used): a packed row's prompts.
 
     >>> head = nn.Linear(4, 10); h = torch.randn(2, 5, 4); ids = torch.randint(0, 10, (2, 5))
     >>> lp, ent = token_logprobs(head, h, ids, chunk=2)
@@ -61,7 +92,12 @@ def token_logprobs(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, 
     >>> lp3, _ = token_logprobs(head, h, ids, first=3)
     >>> bool(torch.equal(lp3[:, :3], torch.zeros(2, 3))), bool(torch.allclose(lp3[:, 3:], lp[:, 3:]))
     (True, True)
+    >>> lp_sel, _ = token_logprobs(head, h, torch.where(torch.arange(5) >= 3, ids, IGNORE))
+    >>> bool(torch.allclose(lp_sel, lp3, atol=1e-6))
+    True
     """
+    if bool((labels < 0).any()):
+        return _selected_logprobs(head, hidden, labels, chunk, entropy_grad)
     first = max(1, first)
     h, target = hidden[:, first - 1:-1], labels[:, first:]
     lps, ents = [], []
@@ -72,6 +108,24 @@ def token_logprobs(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, 
             ents.append(entropy_from_logprobs(logp))
     zero = torch.zeros(hidden.shape[0], min(first, hidden.shape[1]), dtype=torch.float32, device=hidden.device)
     return torch.cat([zero, *lps], 1), torch.cat([zero, *ents], 1)
+
+
+def _selected_logprobs(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, chunk: int,
+                       entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_logprobs`` of the columns whose label is not ``IGNORE`` (a packed row's response tokens):
+    the vocab head runs on those positions only, ``chunk`` at a time; every other column is 0."""
+    scored = labels[:, 1:] >= 0
+    h, target = hidden[:, :-1][scored], labels[:, 1:][scored]
+    lps, ents = [], []
+    for i in range(0, h.shape[0], chunk):
+        logp = head(h[i:i + chunk]).float().log_softmax(-1)
+        lps.append(logp.gather(-1, target[i:i + chunk, None]).squeeze(-1))
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ents.append(entropy_from_logprobs(logp))
+    zero = torch.zeros(labels.shape[0], 1, dtype=torch.float32, device=hidden.device)
+    blank = torch.zeros(scored.shape, dtype=torch.float32, device=hidden.device)
+    lp, ent = (torch.cat(lps), torch.cat(ents)) if lps else (blank[scored], blank[scored])
+    return torch.cat([zero, blank.masked_scatter(scored, lp)], 1), torch.cat([zero, blank.masked_scatter(scored, ent)], 1)
 
 
 class Stage(nn.Module):

@@ -118,6 +118,20 @@ def concat_batches(parts: list[Any]) -> Any:
     return torch.cat(list(parts))
 
 
+def take_rows(batch: Any, index: list[int]) -> Any:
+    """The rows ``index`` of a batch, in that order (meta copied).
+
+    >>> take_rows({"x": [10, 11, 12], "t": 0.5}, [2, 0])
+    {'x': [12, 10], 't': 0.5}
+    """
+    def take(x: Any) -> Any:
+        if isinstance(x, (list, tuple)):
+            return type(x)(x[i] for i in index)
+        return x[list(index)]
+
+    return _map(batch, take)
+
+
 def is_batch_like(x: Any) -> bool:
     """True when ``x`` has rows that ``concat_batches`` can join (used to gather per-sample results)."""
     try:

@@ -87,7 +87,7 @@ class RLWorker:
     def __init__(self, model_path: str, plan: ParallelPlan, *, rollout: Rollout, prompt_len: int,
                  actor_lr: float, critic_lr: float = 1e-4, max_grad_norm: float | None = 1.0,
                  need_ref: bool = False, need_critic: bool = False, seed: int = 0, colocate_rollout: bool = True,
-                 precision: str = "fp32"):
+                 precision: str = "fp32", padding_free: bool = False, micro_batch_tokens: int | None = None):
         from transformers import AutoConfig
 
         torch.manual_seed(seed)
@@ -102,6 +102,9 @@ class RLWorker:
         for model in (self.actor, self.ref):  # every loss and metric here reads the response's columns only
             if model is not None:
                 model.set_scoring(first_column=self.layout.first_scored)
+        for model in (self.actor, self.ref, self.critic):  # every scoring pass and update packs alike
+            if model is not None:
+                model.set_packing(padding_free, micro_batch_tokens)
         self.dp_rank = plan.coords(self.rank)["dp"]
         self.hybrid = None
         gen_tp = rollout.tp
@@ -175,7 +178,7 @@ class RLWorker:
             stats.append(m)
             return loss
 
-        return _epochs(self.actor, batch, settings, loss_fn, stats, "actor")
+        return _epochs(self.actor, batch, settings, loss_fn, stats, "actor", settings.loss_agg)
 
     def update_critic(self, batch: dict[str, Any], settings: UpdateSettings) -> dict[str, float]:
         """The critic's clipped value regression on this DP rank's chunk (its own learning rate)."""
@@ -187,7 +190,7 @@ class RLWorker:
             stats.append(m)
             return loss
 
-        return _epochs(self.critic, batch, settings, loss_fn, stats, "critic")
+        return _epochs(self.critic, batch, settings, loss_fn, stats, "critic", "token-mean")
 
     # ---- weights out ---------------------------------------------------------------------------
     def send_weights(self) -> tuple[dict[str, torch.Tensor] | None, SyncReport]:
@@ -321,10 +324,24 @@ def _rss_gb() -> float:
     return psutil.Process(os.getpid()).memory_info().rss / 2**30
 
 
+def loss_weight(mb: dict[str, Any], agg: str) -> float:
+    """A micro-batch's share of a minibatch's loss aggregated by ``agg`` (``rlkit.algos.aggregate``): its
+    loss tokens for ``token-mean``, else its sequences that carry loss. Weighted so, the micro-batches'
+    losses add up to the minibatch's whatever the cut (``ParallelModel.forward_backward``).
+
+    >>> mb = {"response_mask": torch.tensor([[1., 1., 0.], [0., 0., 0.]])}
+    >>> loss_weight(mb, "token-mean"), loss_weight(mb, "seq-mean-token-mean")
+    (2.0, 1.0)
+    """
+    mask = SequenceLayout.loss_mask(mb) != 0
+    return float(mask.sum() if agg == "token-mean" else mask.any(-1).sum())
+
+
 def _epochs(model: ParallelModel, batch: dict[str, Any], settings: UpdateSettings, loss_fn: Any,
-            stats: list[dict[str, float]], role: str) -> dict[str, float]:
-    """``settings.epochs`` passes over the batch, ``settings.minibatches`` optimizer steps each."""
-    results = [model.train_step(mb, loss_fn) for _epoch in range(settings.epochs)
+            stats: list[dict[str, float]], role: str, agg: str) -> dict[str, float]:
+    """``settings.epochs`` passes over the batch, ``settings.minibatches`` optimizer steps each; each step's
+    objective is the loss over its whole minibatch (every DP rank's part), however it is micro-batched."""
+    results = [model.train_step(mb, loss_fn, lambda part: loss_weight(part, agg)) for _epoch in range(settings.epochs)
                for mb in _split(batch, settings.minibatches)]
     return _summarize(results, stats, role)
 

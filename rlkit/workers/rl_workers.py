@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
+from rlkit.parallel.packing import balanced_order
 from rlkit.workers.base import BaseWorkerGroup
-from rlkit.workers.batch import concat_batches
+from rlkit.workers.batch import batch_size, concat_batches, take_rows
 from rlkit.workers.layout import SequenceLayout
 from rlkit.workers.placement import Placement
 from rlkit.workers.rl import RLWorker, RolloutWorker, SyncReport, UpdateSettings
@@ -36,9 +37,10 @@ class RLWorkers:
     docstring. Every call waits at most ``timeout_s`` seconds."""
 
     def __init__(self, group: BaseWorkerGroup, rollout_group: BaseWorkerGroup | None, placement: Placement,
-                 layout: SequenceLayout, timeout_s: float):
+                 layout: SequenceLayout, timeout_s: float, balance: bool = False):
         self.group, self.rollout_group, self.placement = group, rollout_group, placement
         self.layout, self.timeout_s = layout, timeout_s
+        self.balance = balance
 
     # ---- start -----------------------------------------------------------------------------------
     @classmethod
@@ -63,7 +65,7 @@ class RLWorkers:
 
             group = LocalWorkerGroup(plan, RLWorker, *args, **kwargs, name="rl", owner=owner)
             held.append(group)
-            return cls(group, None, placement, layout, timeout_s), None
+            return cls(group, None, placement, layout, timeout_s), None  # one rank: nothing to balance
         from rlkit.cluster import Cluster
         from rlkit.workers.group import WorkerGroup
 
@@ -97,7 +99,8 @@ class RLWorkers:
                 pool.remove()
             held.clear()
             raise
-        return cls(group, rollout_group, placement, layout, timeout_s), cluster
+        return cls(group, rollout_group, placement, layout, timeout_s,
+                   balance=bool(worker_kwargs.get("padding_free"))), cluster
 
     # ---- the dataflow's calls --------------------------------------------------------------------
     def sync_weights(self) -> list[SyncReport]:
@@ -133,24 +136,40 @@ class RLWorkers:
 
     def ref_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
         """The reference model's log-probs of the response tokens."""
-        return self.group.call_dp(RLWorker.ref_logprobs, batch, timeout=self.timeout_s)["ref_logprobs"]
+        return self._call_dp(RLWorker.ref_logprobs, batch)["ref_logprobs"]
 
     def values(self, batch: dict[str, Any]) -> torch.Tensor:
         """The critic's values of the states before each response token."""
-        return self.group.call_dp(RLWorker.values, batch, timeout=self.timeout_s)["values"]
+        return self._call_dp(RLWorker.values, batch)["values"]
 
     def old_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
         """The actor's log-probs of the response tokens before this step's update (pi_old)."""
-        return self.group.call_dp(RLWorker.actor_logprobs, batch, timeout=self.timeout_s)["logprobs"]
+        return self._call_dp(RLWorker.actor_logprobs, batch)["logprobs"]
 
     def update_actor(self, batch: dict[str, Any], settings: UpdateSettings) -> dict[str, float]:
         """One update of the actor on ``batch`` (split by DP rank); its metrics averaged over DP ranks."""
         self.group.ship_code(settings.policy_loss)
-        return _mean_dicts(self.group.call_dp(RLWorker.update_actor, batch, settings, timeout=self.timeout_s))
+        return _mean_dicts(self._call_dp(RLWorker.update_actor, batch, settings, minibatches=settings.minibatches))
 
     def update_critic(self, batch: dict[str, Any], settings: UpdateSettings) -> dict[str, float]:
         """One update of the critic on ``batch``; its metrics averaged over DP ranks."""
-        return _mean_dicts(self.group.call_dp(RLWorker.update_critic, batch, settings, timeout=self.timeout_s))
+        return _mean_dicts(self._call_dp(RLWorker.update_critic, batch, settings, minibatches=settings.minibatches))
+
+    def _call_dp(self, method: Any, batch: dict[str, Any], *args: Any, minibatches: int = 1) -> Any:
+        """``group.call_dp`` with the samples dealt to DP ranks by tokens, not rows, when the workers run
+        padding-free (``rlkit.parallel.packing.balanced_order``): no rank waits for one with the long
+        responses. Per-sample results come back in the batch's own order."""
+        dp = self.placement.plan.dp
+        if not self.balance or dp == 1 or batch_size(batch) % (dp * minibatches):
+            return self.group.call_dp(method, batch, *args, timeout=self.timeout_s)
+        order = balanced_order(batch["attention_mask"].sum(-1).tolist(), dp, minibatches)
+        out = self.group.call_dp(method, take_rows(batch, order), *args, timeout=self.timeout_s)
+        if isinstance(out, list):  # not per-sample (an update's metrics, one dict per DP rank)
+            return out
+        back = [0] * len(order)
+        for position, row in enumerate(order):
+            back[row] = position
+        return take_rows(out, back)
 
     # ---- state -----------------------------------------------------------------------------------
     def save(self, path: str) -> None:
