@@ -224,7 +224,8 @@ class ParallelModel:
 
         def packed(n_micro: int) -> list[PackedMicroBatch]:
             return pack(batch["input_ids"], batch["attention_mask"], token_budget=self.token_budget, n_micro=n_micro,
-                        score_from=score_from, equal_shapes=self.plan.pp > 1, keep_empty=self.dp_size > 1)
+                        score_from=score_from, equal_shapes=self.plan.pp > 1, keep_empty=self.dp_size > 1,
+                        round_to=16 if self.plan.pp > 1 else 1)
 
         packs = packed(self.plan.n_micro_batches)
         if self.dp_size > 1:
@@ -314,7 +315,7 @@ class ParallelModel:
         seg = torch.cat([pk.segments for pk in packs])
         labels = torch.cat([pk.labels for pk in packs])
         m = len(packs)
-        sched = self._schedule({"input_ids": ids}, m)
+        sched = self._schedule({"input_ids": ids}, m, train=loss_fn is not None)
         args = (ids,) if self.has_first else ()
         extra: dict[str, Any] = {}
         if self.has_last:  # the target is each row's micro-batch number: _pp_loss finds its samples with it
@@ -386,7 +387,7 @@ class ParallelModel:
             if packs:
                 self._pp_packed_call(packs, loss_fn, losses)
             else:
-                sched = self._schedule(batch, m)
+                sched = self._schedule(batch, m, train=True)
                 args = (batch["input_ids"],) if self.has_first else ()
                 extra = {"target": torch.arange(_batch_size(batch), device=self.device), "losses": losses} \
                     if self.has_last else {}
@@ -418,6 +419,9 @@ class ParallelModel:
         if ctx["loss_fn"] is None:
             return torch.zeros((), device=self.device)
         out = self._as_dict(output)
+        if ctx.get("warmup"):  # the schedule learning its shapes (on stand-in data): not a micro-batch
+            ctx["warmup"] = False
+            return sum(v.sum() for v in out.values()) * 0.0
         if ctx["packs"]:
             j = int(target[0])
             out = {k: ctx["packs"][j].unpack(v) for k, v in out.items()}
@@ -462,19 +466,26 @@ class ParallelModel:
             dist.all_reduce(sq, group=self.pp_group)
         return sq.sqrt().item()
 
-    def _schedule(self, batch: dict[str, Any], m: int):
-        """A pipeline schedule for this micro-batch shape (stages fix their p2p buffer shapes on
-        first use, so a new shape gets new PipelineStage objects over the same modules)."""
+    def _schedule(self, batch: dict[str, Any], m: int, train: bool = False):
+        """A pipeline schedule for this micro-batch shape, for training or for eval (stages fix their p2p
+        buffer shapes on first use, so a new shape gets new PipelineStage objects over the same modules).
+
+        On its first use a schedule runs one micro-batch through the stages to learn the shapes, loss
+        included, and again whenever it switches between eval and training: one schedule per mode keeps
+        that to once per shape, and ``_loss_ctx["warmup"]`` keeps the user's loss out of it."""
         import torch.distributed.pipelining as pl
 
-        key = tuple(batch["input_ids"].shape) + (m,)
-        if key not in self._schedules:
+        key = tuple(batch["input_ids"].shape) + (m, train)
+        fresh = key not in self._schedules
+        if fresh:
             stages = [pl.PipelineStage(mod, s, self.plan.n_stages, self.device, group=self.pp_group)
                       for s, mod in zip(self.stage_ids, self.stages)]
             cls = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B,
                    "interleaved-1f1b": pl.ScheduleInterleaved1F1B}[self.plan.pipeline_schedule]
             self._schedules[key] = cls(stages if self.plan.vpp > 1 else stages[0], n_microbatches=m,
                                        loss_fn=self._pp_loss)
+        if train:
+            self._loss_ctx["warmup"] = fresh
         return self._schedules[key]
 
     def _tied_copies(self) -> list[nn.Parameter]:
@@ -651,10 +662,23 @@ class ParallelModel:
     def measure_activations(self, batch: dict[str, Any]) -> int:
         """Bytes autograd keeps for backward: one micro-batch forward through this rank's stages
         (hidden-state inputs faked for later stages), times the micro-batches in flight here.
-        Runs a throwaway backward and clears gradients: call it between steps."""
-        m = self._micro_batches(batch)
-        mb = next(iter(_split({k: v.to(self.device) for k, v in batch.items() if torch.is_tensor(v)}, m)))
-        ids, am = mb["input_ids"], mb["attention_mask"]
+        Runs a throwaway backward and clears gradients: call it between steps.
+
+        Padding-free (``set_packing``): the micro-batch is a packed one as training lays it out (rows of
+        packed sequences, the segments' block-diagonal mask, labels on the scored tokens only), the one
+        with the most rows (the packer deals rows evenly, so the first may hold one row fewer), and the
+        micro-batches in flight are counted among the packed ones."""
+        tensors = {k: v.to(self.device) for k, v in batch.items() if torch.is_tensor(v)}
+        if self.padding_free:
+            tensors.setdefault("attention_mask", torch.ones_like(tensors["input_ids"]))
+            packs = self._pack(tensors)
+            m = len(packs)
+            pk = max(packs, key=lambda p: (p.input_ids.shape[0], int((p.labels >= 0).sum())))
+            ids, am, labels = pk.input_ids, pk.segments, pk.labels
+        else:
+            m = self._micro_batches(batch)
+            mb = next(iter(_split(tensors, m)))
+            ids, am, labels = mb["input_ids"], mb["attention_mask"], mb["input_ids"]
         seen: dict[int, int] = {}
         param_ptrs = {local(p).untyped_storage().data_ptr() for p in self.params}
 
@@ -676,7 +700,7 @@ class ParallelModel:
             for st in self.stages:
                 x = ids if st.first else torch.randn(*ids.shape, self.config.hidden_size, device=self.device,
                                                      requires_grad=True)
-                out = st(x, attention_mask=am, labels=ids)
+                out = st(x, attention_mask=am, labels=labels)
                 outs += list(out) if isinstance(out, tuple) else [out]
         per_mb = sum(seen.values())
         # Finish the graph (FSDP expects every forward to meet its backward), then drop the grads.

@@ -109,19 +109,21 @@ def micro_batch_count(n_rows: int, width: int, token_budget: int | None, n_micro
 
 
 def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, token_budget: int | None, n_micro: int,
-         score_from: int = 1, equal_shapes: bool = False, keep_empty: bool = False) -> list[PackedMicroBatch]:
+         score_from: int = 1, equal_shapes: bool = False, keep_empty: bool = False,
+         round_to: int = 1) -> list[PackedMicroBatch]:
     """The batch's sequences packed into at least ``n_micro`` micro-batches (see the module docstring).
 
     ``attention_mask`` marks each row's real tokens (1) and padding (0); ``score_from``: columns before it
     are not scored (``labels`` = ``IGNORE``), nor is each sequence's first token (nothing predicts it);
     ``equal_shapes``: every micro-batch (r, width), as a pipeline needs. A micro-batch left without a
     sequence is dropped, or with ``keep_empty`` (FSDP: every DP rank runs as many forwards) kept as one
-    empty row.
+    empty row. ``round_to``: the rows' width rounded up to a multiple of it (at most the batch's): a pipeline
+    learns each new shape once, so fewer distinct shapes cost fewer warm-ups.
     """
     real = attention_mask.bool()
     lengths = real.sum(-1).tolist()
     B, S = input_ids.shape
-    width = max(1, max(lengths, default=1))
+    width = min(S, -(-max(1, max(lengths, default=1)) // round_to) * round_to)
     bins = first_fit_decreasing(lengths, width)
     m = micro_batch_count(len(bins), width, token_budget, n_micro)
     per = max(1, math.ceil(len(bins) / m))  # rows of a micro-batch under equal shapes

@@ -175,7 +175,7 @@ class RLWorker:
 
         def loss_fn(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
             loss, m = actor_loss(self.layout, out, mb, settings)
-            stats.append(m)
+            stats.append({**m, WEIGHT: loss_weight(mb, settings.loss_agg)})
             return loss
 
         return _epochs(self.actor, batch, settings, loss_fn, stats, "actor", settings.loss_agg)
@@ -187,7 +187,7 @@ class RLWorker:
         def loss_fn(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
             loss, m = value_loss(self.layout.values(out["values"]), mb["values"], mb["returns"],
                                  self.layout.loss_mask(mb), clip=settings.value_clip)
-            stats.append(m)
+            stats.append({**m, WEIGHT: loss_weight(mb, "token-mean")})
             return loss
 
         return _epochs(self.critic, batch, settings, loss_fn, stats, "critic", "token-mean")
@@ -324,6 +324,9 @@ def _rss_gb() -> float:
     return psutil.Process(os.getpid()).memory_info().rss / 2**30
 
 
+WEIGHT = "_loss_weight"  # a metrics dict's weight in averages over micro-batches and DP ranks
+
+
 def loss_weight(mb: dict[str, Any], agg: str) -> float:
     """A micro-batch's share of a minibatch's loss aggregated by ``agg`` (``rlkit.algos.aggregate``): its
     loss tokens for ``token-mean``, else its sequences that carry loss. Weighted so, the micro-batches'
@@ -355,10 +358,18 @@ def _split(batch: dict[str, Any], k: int) -> list[dict[str, Any]]:
 
 
 def _summarize(results: list[dict[str, float]], stats: list[dict[str, float]], role: str) -> dict[str, float]:
+    """One update's metrics on this rank: the losses and grad norms of its optimizer steps averaged, and the
+    micro-batches' stats (entropy, clip fraction, ...) averaged by their weight in the loss (``WEIGHT``), so
+    they mean the same however the batch was cut; ``WEIGHT`` is the rank's total, for the DP average."""
     out = {f"{role}/loss": sum(r["loss"] for r in results) / len(results),
            f"{role}/grad_norm": sum(r["grad_norm"] for r in results) / len(results)}
-    keys = {k for s in stats for k in s}
+    total = sum(s[WEIGHT] for s in stats)
+    keys = {k for s in stats for k in s} - {WEIGHT}
     for k in sorted(keys):  # stats exist on the last pipeline stage (where the loss runs)
-        vals = [float(s[k]) for s in stats if k in s]
-        out[f"{role}/{k}"] = sum(vals) / len(vals)
+        part = [s for s in stats if k in s]
+        weight = sum(s[WEIGHT] for s in part)
+        out[f"{role}/{k}"] = (sum(float(s[k]) * s[WEIGHT] for s in part) / weight if weight > 0
+                              else sum(float(s[k]) for s in part) / len(part))
+    if stats:
+        out[WEIGHT] = total
     return out

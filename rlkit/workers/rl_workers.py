@@ -29,7 +29,7 @@ from rlkit.workers.base import BaseWorkerGroup
 from rlkit.workers.batch import batch_size, concat_batches, take_rows
 from rlkit.workers.layout import SequenceLayout
 from rlkit.workers.placement import Placement
-from rlkit.workers.rl import RLWorker, RolloutWorker, SyncReport, UpdateSettings
+from rlkit.workers.rl import WEIGHT, RLWorker, RolloutWorker, SyncReport, UpdateSettings
 
 
 class RLWorkers:
@@ -197,9 +197,18 @@ class RLWorkers:
 
 
 def _mean_dicts(parts: Any) -> dict[str, float]:
+    """The DP ranks' update metrics in one dict: each averaged over the ranks, by the ranks' weight in the
+    loss (their loss tokens, ``rl.WEIGHT``) when they carry one, so a rank with long samples counts more."""
     parts = [p for p in (parts if isinstance(parts, list) else [parts]) if p]
-    keys = {k for p in parts for k in p}
-    return {k: sum(p[k] for p in parts if k in p) / sum(1 for p in parts if k in p) for k in sorted(keys)}
+    keys = {k for p in parts for k in p} - {WEIGHT}
+    out = {}
+    for k in sorted(keys):
+        have = [p for p in parts if k in p]
+        weights = [p.get(WEIGHT, 1.0) for p in have]
+        if sum(weights) <= 0:
+            weights = [1.0] * len(have)
+        out[k] = sum(p[k] * w for p, w in zip(have, weights)) / sum(weights)
+    return out
 
 
 def start_finalizer(owner: Any) -> list:
