@@ -201,6 +201,157 @@ def test_activations_follow_korthikanti():
     assert estimate_memory(ParallelPlan(), "llama-2-7b", activation_checkpointing=True, **eager).activations[0] == ac
 
 
+# ---- padding-free micro-batches: a token budget --------------------------------------------------------
+def test_token_budget_sizes_the_micro_batch():
+    # llama-2-7b (h=4096, a=32, 32 layers, vocab 32000), 16-bit activations, eager attention: a budget of
+    # 8192 + 100 tokens at a row width of 2048 holds 4 rows of 2048, each sbh(34 + 5as/h) per layer
+    s, h, a, L, V = 2048, 4096, 32, 32, 32000
+    eager = dict(flash_attention=False)
+    per_row = 34 * s * h + 5 * a * s * s
+    df = estimate_memory(ParallelPlan(), "llama-2-7b", seq_len=s, token_budget=8192 + 100, **eager)
+    assert df.activations[0] == L * 4 * per_row
+    assert df.logits[0] == 4 * s * V * 4 * 2             # the row tokens, upcast + log-softmax, fp32
+    assert df.attrs["token_budget"] == 8292 and df.attrs["micro_batch"] == 4
+    # the same budget at a width of 8192 (one row): the same tokens, 4x the attention scores per token
+    wide = estimate_memory(ParallelPlan(), "llama-2-7b", seq_len=8192, token_budget=8192, **eager)
+    assert wide.activations[0] == L * (34 * 8192 * h + 5 * a * 8192 * 8192)
+    assert wide.logits[0] == df.logits[0]
+    # flash attention: a budget's activations do not depend on the longest sequence at all
+    assert {int(estimate_memory(ParallelPlan(), "llama-2-7b", seq_len=w, token_budget=8192).activations[0])
+            for w in (512, 2048, 8192)} == {L * 34 * 8192 * h}
+    # tp=8 with SP and a pipeline: the budget stands in for micro_batch everywhere
+    plan = ParallelPlan(tp=8, pp=4, micro_batches=8)
+    kw = dict(seq_len=s, sequence_parallel=True, **eager)
+    assert estimate_memory(plan, "llama-2-7b", token_budget=3 * s, **kw).equals(
+        estimate_memory(plan, "llama-2-7b", micro_batch=3, **kw))
+    assert ParallelPlan().memory("llama-2-7b", seq_len=s, token_budget=8192).equals(
+        estimate_memory(ParallelPlan(), "llama-2-7b", seq_len=s, token_budget=8192))
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(seq_len=4096, token_budget=4095), "token_budget=4095 is smaller than seq_len=4096"),
+    (dict(micro_batch=2, token_budget=8192), "leave micro_batch=1"),
+    (dict(token_budget=0), "token_budget=0 must be a positive integer"),
+    (dict(token_budget=True), "token_budget=True must be a positive integer"),
+])
+def test_token_budget_errors_name_the_value(kw, needle):
+    with pytest.raises(PlanError, match=needle):
+        estimate_memory(ParallelPlan(), "llama-2-7b", **kw)
+
+
+def test_token_budget_in_the_throughput_model_and_the_search():
+    from dataclasses import replace
+
+    from rlkit.plan.search import search_plans
+    from rlkit.plan.throughput import estimate_throughput
+
+    # dp=2 x 32 sequences of 4096, a budget of 3 sequences: ceil(32 / 3) = 11 micro-batches of
+    # ceil(32 / 11) = 3 sequences in one flush; tokens/s counts the 64 x 4096 real tokens
+    plan = ParallelPlan(dp=2, tp=8, pp=4, devices_per_node=8)
+    r = estimate_throughput(plan, "llama-2-70b", seq_len=4096, global_batch=64, token_budget=3 * 4096 + 5)
+    assert (r["micro_batches"], r["micro_batch"], r["tokens_per_step"]) == (11, 3, 64 * 4096)
+    same = estimate_throughput(replace(plan, micro_batches=11), "llama-2-70b", seq_len=4096, global_batch=66,
+                               micro_batch=3)
+    assert r["step_s"] == same["step_s"] and r["bubble"] == same["bubble"] == 3 / (11 + 3)
+    assert r["tokens_per_s"] == pytest.approx(64 * 4096 / same["step_s"])
+    # the plan's count is a floor; interleaving rounds up to whole rounds of pp
+    assert estimate_throughput(replace(plan, micro_batches=16), "llama-2-70b", seq_len=4096, global_batch=64,
+                               token_budget=8192)["micro_batches"] == 16
+    inter = replace(plan, vpp=2, micro_batches=4)
+    assert estimate_throughput(inter, "llama-2-70b", seq_len=4096, global_batch=64,
+                               token_budget=3 * 4096)["micro_batches"] == 12
+    with pytest.raises(PlanError, match="leave micro_batch=1"):
+        estimate_throughput(plan, "llama-2-70b", micro_batch=2, token_budget=8192)
+    # the search runs every plan at the packer's count and sizes its memory with the budget
+    df = search_plans("qwen2.5-7b", gpus=8, seq_len=4096, global_batch=64, token_budget=8192,
+                      include_vpp=False, shardings=("full_shard",), recompute="none", sequence_parallel=False)
+    assert df.attrs["token_budget"] == 8192
+    for _, row in df[df.valid].iterrows():
+        assert row.micro_batches == max(row.pp, 64 // row.dp // 2), row.to_dict()
+        peak = estimate_memory(row.plan, "qwen2.5-7b", seq_len=4096, token_budget=8192)["total"].max()
+        assert row.memory_gib * 2**30 == pytest.approx(peak), row.to_dict()
+
+
+# ---- padding-free: the estimate against a measured packed micro-batch ---------------------------------
+# Sequence lengths (a 4-token prompt, then the response) chosen by hand so that first-fit decreasing fills
+# every row: each row is one sequence as wide as the longest, or two that add up to it. SHORT: 16 rows of
+# 16 (24 sequences, responses 1..12 tokens); LONG: 8 rows of 32 (14 sequences, responses 1..28: the
+# longest response 2.3x SHORT's). A budget of 128 tokens: 8 rows of 16 or 4 rows of 32 per micro-batch,
+# 2 micro-batches each.
+PROMPT, BUDGET = 4, 128
+SHORT = [16, 16, 16, 16, 11, 5, 10, 6, 9, 7, 8, 8] * 2
+LONG = [32, 32, 27, 5, 24, 8, 20, 12, 16, 16, 22, 10, 18, 14]
+ACTIVATION_TOL = 0.10  # saved activations: the tolerance notebook 01 holds the padded estimate to
+
+
+def _ragged_batch(lengths, seed=0):
+    """Right-padded rows: ``PROMPT`` prompt tokens, then a response, ``lengths`` real tokens each, shuffled."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(lengths), generator=g).tolist()
+    width = max(lengths)
+    ids = torch.randint(3, 500, (len(lengths), width), generator=g)
+    am = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, i in enumerate(order):
+        am[row, :lengths[i]] = 1
+    return {"input_ids": ids * am, "attention_mask": am}
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    import torch.distributed as dist
+
+    from rlkit.parallel.dist import free_port, init_distributed
+
+    for k, v in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(k, v)
+    init_distributed(timeout_s=30)
+    yield
+    dist.destroy_process_group()
+
+
+def test_packed_activations_match_the_token_budget_estimate(world_of_one):
+    """One rank trains packed with a token budget: the autograd-saved bytes of a packed micro-batch against
+    ``estimate_memory(..., token_budget=)`` with the arguments ``python -m rlkit.parallel`` compares with
+    (fp32, eager attention, gathered logits; activations + logits), for two batches whose longest response
+    differs 2.3x; and both stay under the budget's bound that holds whatever the longest sequence (one row
+    as wide as the budget)."""
+    from rlkit.models import tiny_lm
+    from rlkit.parallel import ParallelModel
+
+    pm = ParallelModel(tiny_lm("qwen2", size="test"), ParallelPlan())
+    pm.set_packing(True, token_budget=BUDGET)
+
+    def estimate(width):
+        est = estimate_memory(ParallelPlan(), pm.config, seq_len=width, token_budget=BUDGET, precision="fp32",
+                              optimizer="adamw", gathered_logits=True, flash_attention=False)
+        return int(est.activations[0] + est.logits[0])
+
+    bound = estimate(BUDGET)
+    measured = {}
+    for name, lengths in (("short", SHORT), ("long", LONG)):
+        width = max(lengths)
+        got = pm.measure_activations(_ragged_batch(lengths))
+        est = estimate(width)
+        cmp = compare_memory(pd_frame(activations=est), pd_frame(activations=got))
+        print(f"{name}: width {width}, {BUDGET // width} rows: measured {got} B, estimate {est} B, "
+              f"rel err {cmp.activations_rel_err[0]:+.3f}; budget bound {bound} B")
+        assert abs(cmp.activations_rel_err[0]) <= ACTIVATION_TOL, (name, got, est)
+        assert got <= bound, (name, got, bound)
+        measured[name] = got
+    # at a fixed budget the tokens stay; only eager attention's scores grow (rows x width^2 = budget x
+    # width): the measured growth stays within the estimate's (its s^2 term, 5 x 2 bytes per score in
+    # fp32, is an upper bound: without attention dropout torch saves the 4-byte softmax output only)
+    assert measured["long"] - measured["short"] <= estimate(max(LONG)) - estimate(max(SHORT))
+
+
+def pd_frame(**cols):
+    import pandas as pd
+
+    return pd.DataFrame({"rank": [0], **{k: [v] for k, v in cols.items()}})
+
+
 def test_recompute_mode_errors_name_the_value():
     with pytest.raises(PlanError, match="recompute='some'.*none.*selective.*full"):
         estimate_memory(ParallelPlan(), "llama-2-7b", recompute="some")

@@ -154,7 +154,8 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
                     roles: tuple[str, ...] | list[str] = ("actor",),
                     rollout: Any = None, device_memory: Any = None, sequence_parallel: bool = False,
                     flash_attention: bool = True, vocab_parallel: bool = True,
-                    gathered_logits: bool = False, logits_copies: int = 2, _peak_only: bool = False) -> pd.DataFrame:
+                    gathered_logits: bool = False, logits_copies: int = 2, token_budget: int | None = None,
+                    _peak_only: bool = False) -> pd.DataFrame:
     """Bytes each rank of ``plan`` holds to train ``model``: one row per rank.
 
     **Defaults describe a GPU training stack**: bf16-mixed AdamW, SDPA/flash attention (no s^2
@@ -230,6 +231,27 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     ``get_forward_backward_func`` warm-up), i.e. ``pp(1 + (pp-1)/(pp v))`` micro-batches of a stage's
     layers on the first rank (Korthikanti Sec. 4.2.3). pp = 1: one micro-batch at a time.
 
+    **Padding-free micro-batches** (``token_budget``: ``TrainerConfig.micro_batch_tokens``,
+    ``ParallelModel.set_packing(token_budget=...)``): sequences are packed several to a row, rows as
+    wide as the longest sequence, and a micro-batch holds up to ``token_budget`` tokens, padding in
+    its rows included (``rlkit.parallel.packing``). ``seq_len`` is then that row width (the longest
+    sequence; ``ParallelModel`` rounds it up to a multiple of 16 under a pipeline) and one micro-batch
+    is ``token_budget // seq_len`` rows of ``seq_len``, which replaces ``micro_batch`` (leave it 1):
+    everything that scales with tokens (hidden states, MLP) follows the budget's tokens, whatever the
+    responses' lengths; only the eager attention scores grow with the width (each row's
+    ``seq_len^2``, block-diagonal over its sequences). The logits follow the scored tokens, the
+    budget's at most: the row tokens are counted. A budget below ``seq_len`` cannot hold the longest
+    sequence (a PlanError, as the packer raises). The plan's ``n_micro_batches`` stays the
+    micro-batch count (give the plan the packer's count, ``ParallelPlan(micro_batches=m)``): with GPipe
+    all of them are in flight, and with more than one the gradients accumulate unsharded.
+
+    >>> from rlkit.plan import ParallelPlan
+    >>> acts = lambda **kw: int(estimate_memory(ParallelPlan(), "llama-2-7b", **kw).activations[0])
+    >>> acts(seq_len=2048, token_budget=8192) == acts(seq_len=2048, micro_batch=4)
+    True
+    >>> len({acts(seq_len=s, token_budget=8192) for s in (1024, 2048, 4096, 8192)})   # flash: no s^2 term
+    1
+
     **Logits** (last stage, actor and reference): ``micro_batch x seq_len x vocab/tp x 4 bytes x
     logits_copies``. The log-prob computation upcasts logits to fp32 and applies log-softmax,
     whose output autograd saves; both fp32 buffers are alive at its peak, so ``logits_copies=2``
@@ -270,6 +292,8 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     :func:`compare_memory`.
     """
     spec, s, b = check_common(plan, model, seq_len, micro_batch, precision)
+    if token_budget is not None:
+        b = budget_rows(token_budget, s, b)
     recompute = recompute_mode(recompute, activation_checkpointing)
     positive_int("logits_copies", logits_copies)
     if optimizer not in OPTIMIZERS:
@@ -433,13 +457,32 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     if mem is not None:
         df["fits"] = df["total"] <= mem
         df.attrs["device_memory"] = mem
-    df.attrs.update(model=spec.name, plan=plan.describe(), seq_len=s, micro_batch=b, precision=precision,
+    df.attrs.update(model=spec.name, plan=plan.describe(), seq_len=s, micro_batch=b, token_budget=token_budget,
+                    precision=precision,
                     optimizer=optimizer, roles=roles, recompute=recompute,
                     activation_checkpointing=recompute == "full",
                     rollout=ro, sequence_parallel=sequence_parallel, flash_attention=flash_attention,
                     vocab_parallel=vocab_parallel, gathered_logits=gathered_logits,
                     logits_copies=logits_copies)
     return df
+
+
+def budget_rows(token_budget: Any, seq_len: int, micro_batch: int = 1) -> int:
+    """Rows of ``seq_len`` in a padding-free micro-batch of ``token_budget`` tokens (the rows of the
+    longest sequence's width that ``rlkit.parallel.packing`` fits in one); the budget replaces
+    ``micro_batch``, which must be left at 1.
+
+    >>> budget_rows(8192, 2048), budget_rows(8191, 2048)
+    (4, 3)
+    """
+    positive_int("token_budget", token_budget)
+    if micro_batch != 1:
+        raise PlanError(f"micro_batch={micro_batch} and token_budget={token_budget}: a token budget sizes the "
+                        f"micro-batch itself (token_budget // seq_len rows); leave micro_batch=1")
+    if token_budget < seq_len:
+        raise PlanError(f"token_budget={token_budget} is smaller than seq_len={seq_len} (the longest sequence, "
+                        f"one packed row); use token_budget >= {seq_len}")
+    return token_budget // seq_len
 
 
 def peak_memory(plan: ParallelPlan, model: Any, **kw: Any) -> dict[str, Any]:
@@ -475,7 +518,7 @@ _ADVICE = {
     "grads": "shard grads (dp_shard='shard_grad_op' or 'full_shard') or raise tp/pp",
     "optimizer": "shard optimizer state (dp_shard='full_shard' over more ranks) or raise tp/pp",
     "param_buffers": "use dp_shard='full_shard' instead of keeping unsharded copies",
-    "activations": "recompute activations (recompute='selective' or 'full'), lower micro_batch/seq_len, or raise tp (with sequence_parallel)",
+    "activations": "recompute activations (recompute='selective' or 'full'), lower micro_batch/seq_len (or the token budget), or raise tp (with sequence_parallel)",
     "logits": "lower micro_batch or seq_len, or raise tp (vocab-parallel logits)",
     "kv_cache": "lower the rollout's max_tokens or gpu_memory_utilization",
     "rollout_weights": "raise the rollout tp or use rollout sleep=True",

@@ -89,7 +89,7 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
                  recompute: str | tuple[str, ...] | None = None, activation_checkpointing: bool | None = None,
                  sequence_parallel: bool | None = None, variants: str = "best", gpu: str | dict = "H100",
                  network: str = "nvlink+ib", mfu: float | None = None, roles: tuple[str, ...] = ("actor",),
-                 flash_attention: bool = True) -> pd.DataFrame:
+                 flash_attention: bool = True, token_budget: int | None = None) -> pd.DataFrame:
     """Every DP x TP x PP plan of ``model`` on ``gpus`` GPUs, ranked best first.
 
     Args:
@@ -98,6 +98,12 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
         seq_len, micro_batch: tokens per sequence and sequences per micro-batch.
         global_batch: sequences per step, the same for every plan so they compare at equal work
             (default 4 x gpus x micro_batch).
+        token_budget: padding-free micro-batches of up to this many tokens (``TrainerConfig.
+            micro_batch_tokens``; replaces ``micro_batch``, leave it 1): each plan runs the packer's
+            micro-batch count, ``ceil(global_batch / dp / (token_budget // seq_len))`` (at least pp, a
+            multiple of pp when interleaved; the ``micro_batches`` column), in one flush; memory and
+            throughput are those of ``estimate_memory`` / ``estimate_throughput`` with the same
+            ``token_budget``.
         shardings: dp_shard modes to try (default all of ``SHARDING``).
         include_vpp: also try interleaved 1F1B with 2 and 4 virtual stages (when every stage gets a layer).
         recompute: the activation-recompute modes to try: None (all of "none", "selective", "full"),
@@ -120,10 +126,18 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
 
     Fast at scale: memory is computed per pipeline rank, not per GPU (``peak_memory``), and shared by
     plans that differ only in micro-batches beyond 2 pp; communication without DataFrames.
+
+    With a token budget of 4 sequences (16384 tokens of 4096), each DP rank's 64 / dp sequences run as
+    (64 / dp) / 4 packed micro-batches (at least pp):
+
+    >>> packed = search_plans("qwen2.5-7b", gpus=8, seq_len=4096, global_batch=64, token_budget=16384)
+    >>> top = packed.iloc[0]
+    >>> bool(top.micro_batches == max(top.pp, 64 // top.dp // 4)), bool(top.fits)
+    (True, True)
     """
     import pandas as pd
 
-    from rlkit.plan.memory import peak_memory
+    from rlkit.plan.memory import budget_rows, peak_memory
     from rlkit.plan.spec import as_spec
     from rlkit.plan.throughput import estimate_throughput, gpu_info, network_info
     from rlkit.plan.topology import SHARDING, ParallelPlan
@@ -133,6 +147,7 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
     for name, value in (("gpus", gpus), ("gpus_per_node", gpus_per_node), ("micro_batch", micro_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanError(f"{name}={value!r} must be a positive integer")
+    rows_per_mb = budget_rows(token_budget, seq_len, micro_batch) if token_budget is not None else None
     if variants not in ("best", "all"):
         raise PlanError(f"variants={variants!r} must be 'best' (one setting per layout) or 'all'")
     mem = parse_bytes(gpu_memory)
@@ -150,7 +165,7 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
     memory_cache: dict[tuple, int] = {}
     spans_cache: dict[tuple[int, int, int], bool] = {}
     mem_kw = dict(seq_len=seq_len, micro_batch=micro_batch, precision=precision, optimizer=optimizer, roles=roles,
-                  flash_attention=flash_attention)
+                  flash_attention=flash_attention, token_budget=token_budget)
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
@@ -164,6 +179,9 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
                                                     f"dp*micro_batch={dp * micro_batch}"})
                     continue
                 options = _micro_batch_options(n_mb, pp, vpp)
+                if rows_per_mb is not None and options:  # packed: the packer's count, in one flush
+                    packed = max(pp, -(-n_mb // rows_per_mb))
+                    options = [-(-packed // pp) * pp if vpp > 1 else packed]
                 if not options:
                     rows.append({**base, "why_not": f"{n_mb} micro-batches per DP rank < pp={pp}; the pipeline "
                                                     f"cannot fill (raise global_batch)"})
@@ -177,7 +195,8 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
                 for shard, size in _shardings(dp, tp, per_node, wanted):
                     for m in options:
                         plan = ParallelPlan(dp=dp, tp=tp, pp=pp, vpp=vpp, dp_shard=shard, dp_shard_size=size,
-                                            micro_batches=m if pp > 1 else None, devices_per_node=per_node)
+                                            micro_batches=m if pp > 1 or rows_per_mb else None,
+                                            devices_per_node=per_node)
                         if (dp, tp, pp) not in spans_cache:  # depends on the degrees only
                             spans_cache[(dp, tp, pp)] = bool(plan.placement_warnings(per_node))
                         row0 = {**base, "dp_shard": shard, "dp_shard_size": size, "micro_batches": m, "plan": plan,
@@ -200,7 +219,7 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
                             est = estimate_throughput(plan, spec, seq_len=seq_len, global_batch=global_batch,
                                                       micro_batch=micro_batch, gpu=gpu, mfu=mfu, network=network,
                                                       devices_per_node=per_node, precision=precision,
-                                                      recompute=rc, sequence_parallel=sp)
+                                                      recompute=rc, sequence_parallel=sp, token_budget=token_budget)
                             row = {**row0, "recompute": rc, "sequence_parallel": sp, "memory_gib": peak / GIB,
                                    "fits": peak <= mem,
                                    **{k: est[k] for k in ("tokens_per_s", "tokens_per_s_per_gpu", "step_s",
@@ -231,7 +250,7 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
                     flash_attention=flash_attention, precision=precision, optimizer=optimizer, roles=roles)
     df.attrs.update(model=spec.name, gpus=gpus, gpus_per_node=gpus_per_node, gpu_memory=mem, seq_len=seq_len,
                     global_batch=global_batch, micro_batch=micro_batch, gpu=gpu, network=network,
-                    variants=variants)
+                    variants=variants, token_budget=token_budget)
     return df
 
 
@@ -429,7 +448,8 @@ def _why_shape(spec: Any, df: pd.DataFrame, pick: Any, plan: Any, gib: float, ne
 
         bare = peak_memory(plan, spec, seq_len=df.attrs["seq_len"], micro_batch=df.attrs["micro_batch"],
                            precision=precision, optimizer=optimizer, roles=df.attrs.get("roles", ("actor",)),
-                           flash_attention=df.attrs.get("flash_attention", True))["peak"] / GIB
+                           flash_attention=df.attrs.get("flash_attention", True),
+                           token_budget=df.attrs.get("token_budget"))["peak"] / GIB
         what = []
         if pick["sequence_parallel"]:
             what.append("sequence parallelism (norm and dropout activations split over TP, same TP bytes)")
@@ -450,7 +470,7 @@ def _why_shape(spec: Any, df: pd.DataFrame, pick: Any, plan: Any, gib: float, ne
                               seq_len=df.attrs["seq_len"], micro_batch=df.attrs["micro_batch"], precision=precision,
                               optimizer=optimizer, roles=df.attrs.get("roles", ("actor",)),
                               flash_attention=df.attrs.get("flash_attention", True),
-                              recompute=pick.get("recompute", "none"),
+                              token_budget=df.attrs.get("token_budget"), recompute=pick.get("recompute", "none"),
                               sequence_parallel=bool(pick.get("sequence_parallel", False)))["peak"] / GIB
             rep_txt = f"; replicated (DDP) it would take {rep:.1f} GiB per GPU"
             rep_txt += "" if rep <= gib else f", over the {gib:.1f} GiB"

@@ -152,7 +152,7 @@ def estimate_throughput(plan: Any, model: Any, *, seq_len: int = 4096, global_ba
                         inter_node_bw: float | None = None, network: str = "nvlink+ib",
                         recompute: str | None = None, activation_checkpointing: bool | None = None,
                         sequence_parallel: bool = False, precision: str = "bf16-mixed",
-                        kernels: str = "fused") -> dict[str, Any]:
+                        kernels: str = "fused", token_budget: int | None = None) -> dict[str, Any]:
     """Step time and tokens/s of a training step of ``plan`` on ``model`` (the model in the module
     docstring).
 
@@ -171,6 +171,18 @@ def estimate_throughput(plan: Any, model: Any, *, seq_len: int = 4096, global_ba
         kernels: "fused" (Megatron, torch.compile: the default GPU stack) or "eager" (PyTorch op by
             op): the memory-bound traffic of norms, RoPE and activations (``KERNEL_TRAFFIC``), timed
             at the GPU's HBM bandwidth.
+        token_budget: padding-free micro-batches of up to this many tokens (``rlkit.parallel.packing``,
+            ``TrainerConfig.micro_batch_tokens``); replaces ``micro_batch`` (leave it 1). A micro-batch
+            then holds ``token_budget // seq_len`` sequences of ``seq_len`` (``seq_len``: the row width,
+            the longest sequence), and a DP rank's ``n = global_batch / dp`` sequences run as
+            ``m = max(plan.n_micro_batches, ceil(n / rows))`` micro-batches in one pipeline flush (a
+            multiple of pp under interleaved 1F1B), the packer's count: the bubble is that of ``m``,
+            the GEMMs are ``n x seq_len / m`` tokens tall, and FSDP gathers once per micro-batch. Each
+            micro-batch is costed at ``ceil(n / m)`` sequences, which is what a pipeline runs (its
+            micro-batches have equal shapes, the short ones padded with empty rows) and, without
+            one, less than a sequence per micro-batch above the real work; tokens/s and MFU count
+            the ``global_batch x seq_len`` real tokens. ``global_batch`` defaults to
+            ``dp x n_micro_batches x rows``. Returns also ``micro_batches`` (m) and ``micro_batch``.
 
     Returns a dict: flops_per_token (executed, recompute included), compute_s, gemm_efficiency,
     bubble, bubble_s, tp_comm_s, dp_comm_s, dp_exposed_s, pp_comm_s, step_s, tokens_per_step,
@@ -182,10 +194,29 @@ def estimate_throughput(plan: Any, model: Any, *, seq_len: int = 4096, global_ba
     ...                         "llama-2-70b", seq_len=4096, global_batch=512)
     >>> round(r["bubble"], 3)
     0.158
+
+    A token budget of 8192 at 4096 tokens per sequence packs 2 sequences per micro-batch: the same
+    step as ``micro_batch=2``; halving the budget doubles the micro-batches, so the bubble shrinks:
+
+    >>> from dataclasses import replace
+    >>> plan = ParallelPlan(tp=8, pp=4, dp=2, micro_batches=4, devices_per_node=8)
+    >>> kw = dict(seq_len=4096, global_batch=512)
+    >>> padded = estimate_throughput(replace(plan, micro_batches=128), "llama-2-70b", micro_batch=2, **kw)
+    >>> packed = estimate_throughput(plan, "llama-2-70b", token_budget=8192, **kw)
+    >>> packed["micro_batches"], packed["step_s"] == padded["step_s"]
+    (128, True)
+    >>> estimate_throughput(plan, "llama-2-70b", token_budget=4096, **kw)["bubble"] < packed["bubble"]
+    True
     """
     from rlkit.plan.spec import as_spec
     from rlkit.plan.units import recompute_mode
 
+    if token_budget is not None:
+        return _packed_throughput(plan, model, token_budget, seq_len=seq_len, global_batch=global_batch,
+                                  micro_batch=micro_batch, gpu=gpu, mfu=mfu, devices_per_node=devices_per_node,
+                                  intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw, network=network,
+                                  recompute=recompute, activation_checkpointing=activation_checkpointing,
+                                  sequence_parallel=sequence_parallel, precision=precision, kernels=kernels)
     spec = as_spec(model)
     recompute = recompute_mode(recompute, activation_checkpointing)
     if mfu is not None and (isinstance(mfu, bool) or not isinstance(mfu, (int, float)) or not 0 < mfu <= 1):
@@ -261,6 +292,38 @@ def estimate_throughput(plan: Any, model: Any, *, seq_len: int = 4096, global_ba
         # model FLOPs only (6N + attention): recompute is work the model did not need
         "achieved_mfu": tokens * 3 * fwd / (step * peak_total),
     }
+
+
+def _packed_throughput(plan: Any, model: Any, token_budget: int, *, seq_len: int, global_batch: int | None,
+                       micro_batch: int, **kw: Any) -> dict[str, Any]:
+    """``estimate_throughput`` with padding-free micro-batches of ``token_budget`` tokens: the plan with
+    the packer's micro-batch count, each of ``ceil(n / m)`` sequences (see ``token_budget`` there)."""
+    import dataclasses
+
+    from rlkit.plan.memory import budget_rows
+    from rlkit.plan.units import positive_int
+
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise PlanError(f"seq_len={seq_len!r} must be a positive integer (tokens per sequence)")
+    rows = budget_rows(token_budget, seq_len, micro_batch)
+    if global_batch is None:
+        global_batch = plan.dp * plan.n_micro_batches * rows
+    positive_int("global_batch", global_batch)
+    if global_batch % plan.dp:
+        raise PlanError(f"global_batch={global_batch} does not split over dp={plan.dp}; use a multiple of {plan.dp}")
+    n = global_batch // plan.dp
+    m = max(plan.n_micro_batches, -(-n // rows))
+    if plan.pipeline_schedule == "interleaved-1f1b":
+        m = -(-m // plan.pp) * plan.pp
+    b = -(-n // m)
+    packed = dataclasses.replace(plan, micro_batches=m) if m != plan.n_micro_batches else plan
+    out = estimate_throughput(packed, model, seq_len=seq_len, global_batch=plan.dp * m * b, micro_batch=b, **kw)
+    run = out["tokens_per_step"]
+    tokens = global_batch * seq_len  # the real tokens: costed rows beyond them are empty
+    out.update(tokens_per_step=tokens, tokens_per_s=tokens / out["step_s"],
+               tokens_per_s_per_gpu=tokens / out["step_s"] / plan.world_size,
+               achieved_mfu=out["achieved_mfu"] * tokens / run, micro_batches=m, micro_batch=b)
+    return out
 
 
 # ---- calibration: published measured runs ------------------------------------------------------
