@@ -232,8 +232,11 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     # 6. memory per rank, measured
     mem = pm.memory(mine)
     report["memory"] = mem.to_dict(orient="records")
-    report["memory_compare"] = compare_with_estimate(mem, plan, pm.config, seq_len, micro_batch_size, head,
-                                                     activation_checkpointing)
+    # packed: the estimate's rows are as wide as the longest sequence, token_budget // width of them
+    width = int(mine["attention_mask"].sum(-1).max()) if padding_free and token_budget else seq_len
+    report["memory_compare"] = compare_with_estimate(mem, plan, pm.config, width, micro_batch_size if width == seq_len
+                                                     else 1, head, activation_checkpointing,
+                                                     token_budget=token_budget if width != seq_len else None)
     return report
 
 
@@ -299,7 +302,8 @@ def _peak_rss() -> int:
 
 
 def compare_with_estimate(measured, plan: ParallelPlan, config, seq_len: int, micro_batch: int,
-                          head: str = "lm", activation_checkpointing: bool = False) -> list[dict] | None:
+                          head: str = "lm", activation_checkpointing: bool = False,
+                          token_budget: int | None = None) -> list[dict] | None:
     """Measured bytes vs ``rlkit.plan.memory.estimate_memory`` (fp32 AdamW, gathered logits) per
     rank: ``<col>_estimate``, ``<col>_measured``, ``<col>_rel_err``. The estimate splits saved
     activations into ``activations`` and ``logits``; measured activations hold both."""
@@ -310,7 +314,8 @@ def compare_with_estimate(measured, plan: ParallelPlan, config, seq_len: int, mi
     est = estimate_memory(plan, config, seq_len=seq_len, micro_batch=micro_batch, precision="fp32",
                           optimizer="adamw", roles=("critic",) if head == "value" else ("actor",),
                           gathered_logits=True, activation_checkpointing=activation_checkpointing,
-                          flash_attention=False)  # rlkit.parallel builds HF models with eager attention
+                          flash_attention=False,  # rlkit.parallel builds HF models with eager attention
+                          token_budget=token_budget)
     est = est.assign(activations=est["activations"] + est["logits"])
     cols = ["rank", "weights", "grads", "optimizer", "activations"]
     return compare_memory(est[cols], measured[cols]).to_dict(orient="records")

@@ -147,7 +147,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, token_budget:
                 ids[k, at:at + n] = input_ids[i, cols]
                 seg[k, at:at + n] = s_no
                 scored = cols >= max(score_from, 1)
-                scored[0] = False  # a sequence's first token has no prediction
+                scored[:1] = False  # a sequence's first token has no prediction (an empty row has none)
                 labels[k, at:at + n] = torch.where(scored, input_ids[i, cols], IGNORE)
                 src.append(k * width + at + torch.arange(n, device=ids.device))
                 dst.append(len(rows) * S + cols)
