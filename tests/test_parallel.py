@@ -226,7 +226,7 @@ def test_real_model_plan_matches_single_process(tmp_path, name):
 # Weights after 3 AdamW steps within 2e-5: the padded path on this same ragged batch measured 9.4e-6 on tp2
 # (Adam magnifies reduction-order differences in the near-zero gradients of q/k/v biases), packed 1.25e-5; a
 # sequence attending across a boundary, a wrong position or a wrong weight is off by 1e-2 or more.
-PF_TOL = dict(TOL, max_dweight=2e-5)
+PF_TOL = dict(TOL, max_dweight=2e-5, max_drelayout=2e-5)  # the resharded copy holds those same weights
 PF_ARGS = ["--padding-free", "--token-budget", "48", "--micro-batch-size", "8", "--seq-len", "24"]
 PF_PLANS = {
     "one_rank": (1, [], "qwen2"),
