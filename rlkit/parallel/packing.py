@@ -2,9 +2,10 @@
 
 A batch of the run's layout pads every row to the longest prompt and the longest response. Here the
 real tokens of each row (a *sequence*) are taken out and packed, several to a row, into rows as wide
-as the longest sequence (first-fit decreasing). Inside a packed row ``segments`` numbers the sequences
-(1, 2, ...; 0 is the unused tail), which the stage turns into block-diagonal attention and positions
-that restart per sequence (``rlkit.parallel.stage``), so each sequence is computed exactly as alone.
+as the longest sequence or twice that, whichever leaves less padding (first-fit decreasing). Inside a
+packed row ``segments`` numbers the sequences (1, 2, ...; 0 is the unused tail), which the stage turns
+into block-diagonal attention and positions that restart per sequence (``rlkit.parallel.stage``), so each
+sequence is computed exactly as alone.
 
 Micro-batches hold whole rows, up to ``token_budget`` tokens each (rows x width, padding included),
 so the activation memory of one micro-batch is bounded by the budget whatever the responses' lengths.
@@ -93,6 +94,27 @@ def first_fit_decreasing(lengths: list[int], width: int) -> list[list[int]]:
     return bins
 
 
+def row_width(lengths: list[int], token_budget: int | None = None, round_to: int = 1) -> tuple[int, list[list[int]]]:
+    """The packed rows' width and the sequences of each row: as wide as the longest sequence, or twice that
+    when it leaves less padding (the short ones then fill the gaps; no wider, since eager attention computes
+    a row's whole width x width scores), never wider than ``token_budget``; rounded up to ``round_to``.
+
+    >>> row_width([5, 5, 5])[0], row_width([6, 4, 4, 4, 4])[0]
+    (5, 12)
+    """
+    longest = max(1, max(lengths, default=1))
+    if token_budget is not None and token_budget < longest:
+        micro_batch_count(1, longest, token_budget, 1)  # raises, naming the budget and the longest sequence
+    best: tuple[int, list[list[int]]] | None = None
+    for want in (longest, 2 * longest):
+        width = -(-want // round_to) * round_to
+        width = width if token_budget is None else max(longest, min(width, token_budget))
+        bins = first_fit_decreasing(lengths, width)
+        if best is None or len(bins) * width < len(best[1]) * best[0]:
+            best = (width, bins)
+    return best
+
+
 def micro_batch_count(n_rows: int, width: int, token_budget: int | None, n_micro: int) -> int:
     """How many micro-batches hold ``n_rows`` packed rows of ``width``: ``n_micro`` (the plan's), or more
     when the rows do not fit in ``token_budget`` tokens each.
@@ -123,8 +145,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, token_budget:
     real = attention_mask.bool()
     lengths = real.sum(-1).tolist()
     B, S = input_ids.shape
-    width = min(S, -(-max(1, max(lengths, default=1)) // round_to) * round_to)
-    bins = first_fit_decreasing(lengths, width)
+    width, bins = row_width(lengths, token_budget, round_to)
     m = micro_batch_count(len(bins), width, token_budget, n_micro)
     per = max(1, math.ceil(len(bins) / m))  # rows of a micro-batch under equal shapes
     starts = [j * len(bins) // m for j in range(m + 1)]  # rows dealt evenly: sizes differ by one at most
@@ -190,4 +211,4 @@ def balanced_order(lengths: list[int], dp: int, minibatches: int = 1) -> list[in
     return order
 
 
-__all__ = ["PackedMicroBatch", "balanced_order", "first_fit_decreasing", "micro_batch_count", "pack"]
+__all__ = ["PackedMicroBatch", "balanced_order", "first_fit_decreasing", "micro_batch_count", "pack", "row_width"]

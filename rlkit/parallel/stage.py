@@ -124,7 +124,11 @@ def _selected_logprobs(head: nn.Module, hidden: torch.Tensor, labels: torch.Tens
             ents.append(entropy_from_logprobs(logp))
     zero = torch.zeros(labels.shape[0], 1, dtype=torch.float32, device=hidden.device)
     blank = torch.zeros(scored.shape, dtype=torch.float32, device=hidden.device)
-    lp, ent = (torch.cat(lps), torch.cat(ents)) if lps else (blank[scored], blank[scored])
+    if lps:
+        lp, ent = torch.cat(lps), torch.cat(ents)
+    else:  # nothing to score (an empty row): zeros that still reach the head, so every rank's backward (FSDP's
+        # gradient reduction, TP's collectives) runs over the same parameters
+        lp = ent = blank[scored] + head(hidden[:, :1]).float().sum() * 0.0
     return torch.cat([zero, blank.masked_scatter(scored, lp)], 1), torch.cat([zero, blank.masked_scatter(scored, ent)], 1)
 
 
