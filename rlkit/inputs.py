@@ -190,6 +190,19 @@ def check_sizes(config: TrainerConfig, plan: ParallelPlan, rollout: Rollout, alg
                            f"{algorithm.min_samples}), got n={rollout.n}")
 
 
+def padding_free(config: TrainerConfig, plan: ParallelPlan) -> bool:
+    """Whether the run trains padding-free: the config's choice, except on plans with both dp > 1 and pp > 1,
+    which train padded (``rlkit.parallel.model.PACKED_DP_PP``); a token budget asked for there is an error."""
+    from rlkit.parallel.model import PACKED_DP_PP
+
+    if plan.dp > 1 and plan.pp > 1:
+        if config.micro_batch_tokens is not None:
+            raise TrainerError(f"micro_batch_tokens={config.micro_batch_tokens} with plan {plan.describe()}: "
+                               f"{PACKED_DP_PP} and micro_batch_tokens=None")
+        return False
+    return config.padding_free
+
+
 def check_token_budget(config: TrainerConfig, layout: Any) -> None:
     """A padding-free micro-batch must hold the longest sequence the run can make (prompt + response)."""
     budget = config.micro_batch_tokens

@@ -124,3 +124,8 @@ def test_token_budget_errors_name_the_value_and_the_fix(tmp_path):
         rlkit.TrainerConfig(padding_free=False, micro_batch_tokens=4096)
     with pytest.raises(TrainerError, match="padding_free"):
         rlkit.TrainerConfig(padding_free="yes")
+    with pytest.raises(TrainerError, match=r"micro_batch_tokens=4096 with plan dp=2 .*pp=2.* not supported yet.*"
+                                           r"use padding_free=False"):
+        Trainer(model=path, dataset=rlkit.tasks.repeat, plan=rlkit.ParallelPlan(dp=2, pp=2, micro_batches=2),
+                rollout=rlkit.Rollout(engine="hf", n=2, max_new_tokens=16), micro_batch_tokens=4096,
+                run_dir=str(tmp_path / "b"))

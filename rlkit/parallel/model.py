@@ -47,6 +47,11 @@ LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tens
 WeightFn = Callable[[dict[str, torch.Tensor]], float]
 
 
+# Not yet: DP ranks pack to different shapes, and a pipeline schedule's first use of a shape runs a warm-up
+# forward (FSDP gathers included) on the ranks that meet it, so DP ranks' collectives would not match.
+PACKED_DP_PP = ("padding-free training with dp > 1 and pp > 1 together is not supported yet (DP ranks' packed "
+                "shapes differ, and a pipeline warms up on each new shape); use padding_free=False for this plan")
+
 # Training precisions: the autocast dtype of the stages' forward (and so backward); None is plain fp32.
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16-mixed": torch.bfloat16}
 
@@ -215,6 +220,8 @@ class ParallelModel:
         if token_budget is not None and (isinstance(token_budget, bool) or not isinstance(token_budget, int)
                                          or token_budget < 1):
             raise PlanError(f"token_budget={token_budget!r} must be a positive int (tokens per micro-batch) or None")
+        if padding_free and self.plan.dp > 1 and self.plan.pp > 1:
+            raise PlanError(PACKED_DP_PP)
         self.padding_free, self.token_budget = bool(padding_free), token_budget
 
     def _pack(self, batch: dict[str, Any]) -> list[PackedMicroBatch]:
@@ -228,12 +235,14 @@ class ParallelModel:
                         round_to=16 if self.plan.pp > 1 else 1)
 
         packs = packed(self.plan.n_micro_batches)
+        want = len(packs)
         if self.dp_size > 1:
-            most = torch.tensor(len(packs), device=self.device)
+            most = torch.tensor(want, device=self.device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.dp_group)
-            if int(most) > len(packs):
-                packs = packed(int(most))
-        return packs
+            want = int(most)
+        if self.plan.vpp > 1:  # interleaved 1F1B runs micro-batches in rounds of pp
+            want = -(-want // self.plan.pp) * self.plan.pp
+        return packed(want) if want > len(packs) else packs
 
     # ---- forward only ------------------------------------------------------------------------------
     @torch.no_grad()
