@@ -111,17 +111,22 @@ def register_advantage(*names: str, override: bool = False, needs_critic: bool |
     return decorate
 
 
+def _lookup(table: dict[str, Any], name: str, what: str, register: str) -> Any:
+    """``table[name]``, or a ValueError listing the known names and how to add one."""
+    try:
+        return table[name]
+    except KeyError:
+        raise ValueError(f"unknown {what} {name!r}; known: {', '.join(sorted(table))}. Add your own with "
+                         f"@rlkit.algos.{register}({name!r})") from None
+
+
 def get_advantage(name: str) -> Advantage:
     """The estimator registered under ``name``.
 
     >>> get_advantage("grpo").__name__
     'grpo'
     """
-    try:
-        return ADVANTAGES[name]
-    except KeyError:
-        raise ValueError(f"unknown advantage estimator {name!r}; known: {', '.join(sorted(ADVANTAGES))}. "
-                         f"Add your own with @rlkit.algos.register_advantage({name!r})") from None
+    return _lookup(ADVANTAGES, name, "advantage estimator", "register_advantage")
 
 
 def compute_advantages(name: str, rewards: torch.Tensor, response_mask: torch.Tensor, *,
@@ -190,11 +195,7 @@ def get_policy_loss(name: str) -> PolicyLoss:
     >>> get_policy_loss("ppo").__name__
     'policy_loss'
     """
-    try:
-        return POLICY_LOSSES[name]
-    except KeyError:
-        raise ValueError(f"unknown policy loss {name!r}; known: {', '.join(sorted(POLICY_LOSSES))}. Add your "
-                         f"own with @rlkit.algos.register_policy_loss({name!r})") from None
+    return _lookup(POLICY_LOSSES, name, "policy loss", "register_policy_loss")
 
 
 def call_policy_loss(fn: PolicyLoss, logprobs: torch.Tensor, old_logprobs: torch.Tensor,

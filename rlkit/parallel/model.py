@@ -280,21 +280,27 @@ class ParallelModel:
         extra = {"target": torch.arange(_batch_size(batch), device=self.device)} if self.has_last else {}
         res = sched.eval(*args, attention_mask=batch["attention_mask"], labels=batch["input_ids"], **extra)
         self._loss_ctx = {}
-        b, s = batch["input_ids"].shape
-        names = ["values"] if self.head == "value" else ["logprobs", "entropy"]
+        return self._share_last_stage(res, batch["input_ids"].shape)
+
+    def _output_names(self) -> list[str]:
+        return ["values"] if self.head == "value" else ["logprobs", "entropy"]
+
+    def _share_last_stage(self, res: Any, shape: torch.Size) -> dict[str, torch.Tensor]:
+        """A pipeline's per-token outputs (``shape`` each): the last stage has them, the others receive them."""
+        names = self._output_names()
         if self.has_last:
             res = (res,) if torch.is_tensor(res) else res
             out = [t.float().contiguous() for t in res]
         else:
-            out = [torch.empty(b, s, device=self.device) for _ in names]
+            out = [torch.empty(shape, device=self.device) for _ in names]
         src = dist.get_global_rank(self.pp_group, self.plan.pp - 1)
-        for t in out:  # the last stage has the answer: share it along the pipeline
+        for t in out:
             dist.broadcast(t, src=src, group=self.pp_group)
         return dict(zip(names, out))
 
     def _packed_forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         packs = self._pack(batch)
-        names = ["values"] if self.head == "value" else ["logprobs", "entropy"]
+        names = self._output_names()
         for st in self.stages:
             st.eval()
         try:
@@ -334,16 +340,7 @@ class ParallelModel:
         else:
             sched.step(*args, attention_mask=seg, labels=labels, **extra, **({"losses": losses} if self.has_last else {}))
             return {}
-        names = ["values"] if self.head == "value" else ["logprobs", "entropy"]
-        if self.has_last:
-            res = (res,) if torch.is_tensor(res) else res
-            out = [t.float().contiguous() for t in res]
-        else:
-            out = [torch.empty(ids.shape, device=self.device) for _ in names]
-        src = dist.get_global_rank(self.pp_group, self.plan.pp - 1)
-        for t in out:
-            dist.broadcast(t, src=src, group=self.pp_group)
-        return dict(zip(names, out))
+        return self._share_last_stage(res, ids.shape)
 
     def _as_dict(self, out) -> dict[str, torch.Tensor]:
         if self.head == "value":
