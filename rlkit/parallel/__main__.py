@@ -34,6 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--padding-free", action="store_true",
                    help="packed rows and token-weighted micro-batches against the padded single process")
     p.add_argument("--token-budget", type=int, default=None, help="tokens per micro-batch (with --padding-free)")
+    p.add_argument("--lora", type=int, default=None, help="train LoRA adapters of this rank (alpha 2r)")
+    p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                   help="comma-separated target modules (with --lora)")
     p.add_argument("--ckpt", default=None, help="folder for a save -> load -> continue check")
     p.add_argument("--json", default=None, help="write the report here (rank 0)")
     p.add_argument("--tol", type=float, default=1e-5)
@@ -52,6 +55,14 @@ def resolve_model(name: str) -> str:
 
         return tiny_lm(name.removeprefix("tiny-"), size="test")
     return name
+
+
+def _lora_config(args: argparse.Namespace):
+    if args.lora is None:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=args.lora, lora_alpha=2 * args.lora, target_modules=args.lora_targets.split(","))
 
 
 def main(argv=None) -> int:
@@ -97,14 +108,15 @@ def main(argv=None) -> int:
             rep = run_check(model, plan, steps=args.steps, seq_len=args.seq_len,
                             micro_batch_size=args.micro_batch_size, head=args.head, ckpt_dir=args.ckpt, lr=args.lr,
                             fail_rank=args.fail_rank, activation_checkpointing=args.activation_checkpointing,
-                            padding_free=args.padding_free, token_budget=args.token_budget)
+                            padding_free=args.padding_free, token_budget=args.token_budget,
+                            lora=_lora_config(args))
     except WorkerError as e:
         # The failing rank prints the whole traceback; the others one line naming it.
         text = str(e) if e.rank == rank else str(e).splitlines()[0]
         print(f"[rank {rank}] WorkerError(rank={e.rank}): {text}", file=sys.stderr, flush=True)
         return 3
     ok = all(rep.get(k, 0.0) <= args.tol for k in ("max_dlogprob", "max_dentropy", "max_dgrad",
-                                                     "max_dweight", "resume_max_dweight"))
+                                                     "max_dweight", "resume_max_dweight", "max_dadapter"))
     rep["ok"] = ok
     if rank == 0:
         print(format_report(rep), flush=True)

@@ -11,6 +11,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from rlkit.errors import PlanError
+from rlkit.parallel.lora import tp_styles
 
 # transformers' own TP vocabulary (config.base_model_tp_plan) -> torch's parallel styles.
 _HF_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
@@ -54,7 +55,8 @@ def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, config=None) -> nn.Module:
     if tp_mesh.size() > 1:
         tied = (getattr(module, "lm_head", None) is not None and getattr(module.model, "embed_tokens", None)
                 is not None and module.lm_head.weight is module.model.embed_tokens.weight)
-        parallelize_module(module, tp_mesh, tp_plan(module, config))
+        # LoRA layers: the base is split as planned, the adapters with it (rlkit.parallel.lora.tp_styles)
+        parallelize_module(module, tp_mesh, tp_styles(module, tp_plan(module, config)))
         if tied:
             # parallelize_module gives each module a new DTensor Parameter, which unties them. Both are
             # vocab-sharded (Shard(0)) the same way, so the lm_head can use the embedding's shard: one

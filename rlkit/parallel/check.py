@@ -9,6 +9,7 @@ strict into a fresh HF model), and optionally save -> load -> continue. Used by
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from typing import Any
@@ -77,18 +78,27 @@ def reference_forward(hf: nn.Module, value_head: nn.Module | None, batch: dict[s
 def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 16, micro_batch_size: int = 1,
               head: str = "lm", lr: float = 1e-3, max_grad_norm: float = 1.0, ckpt_dir: str | None = None,
               seed: int = 0, fail_rank: int | None = None, activation_checkpointing: bool = False,
-              padding_free: bool = False, token_budget: int | None = None) -> dict[str, Any]:
+              padding_free: bool = False, token_budget: int | None = None, lora: Any = None) -> dict[str, Any]:
     """Run the plan and the reference side by side; returns the report (complete on rank 0).
+
+    ``lora`` (a peft ``LoraConfig`` or a rank): the plan trains adapters only; the reference is the HF model
+    with peft's own LoRA layers holding the same initial adapters, and the full weights compared are the
+    merged ones (peft's ``merge``). ``max_dadapter`` compares the adapters themselves.
 
     ``padding_free``: the plan runs packed rows (``token_budget`` tokens per micro-batch) on a ragged batch,
     each micro-batch weighted by its response tokens; the reference is the padded model on the whole
     batch at once, so the objective must be the step's token mean however the plan cut it."""
     rank = dist.get_rank()
     ref = load_hf(model)
+    lora_cfg = None
+    if lora is not None:
+        from rlkit.parallel.lora import as_lora_config
+        lora_cfg = as_lora_config(lora)
+        ref = _peft_reference(ref, lora_cfg, seed)
     # eps=1e-6: Adam divides by sqrt(v) + eps, so with 1e-8 a 1e-10 difference in a near-zero
     # gradient (reduction order) moves a weight by ~1e-2 * lr; 1e-6 keeps the comparison tight.
     opt = dict(lr=lr, weight_decay=0.01, eps=1e-6, activation_checkpointing=activation_checkpointing)
-    pm = ParallelModel(model, plan, head=head, max_grad_norm=max_grad_norm, seed=seed, **opt)
+    pm = ParallelModel(model, plan, head=head, max_grad_norm=max_grad_norm, seed=seed, lora=lora_cfg, **opt)
     pm.set_packing(padding_free, token_budget)
     weight_fn = _response_tokens if padding_free else None
     if fail_rank is not None and rank == fail_rank:
@@ -104,6 +114,8 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     if ref_vh is not None:  # the critic trades lm_head for the value head
         del ref_named["lm_head.weight"]
         ref_named |= {f"value_head.{k}": v for k, v in ref_vh.named_parameters()}
+    if lora_cfg is not None:  # only the adapters train
+        ref_named = {k: v for k, v in ref_named.items() if v.requires_grad}
     ref_params = list(ref_named.values())
     ref_opt = torch.optim.AdamW(ref_params, lr=lr, weight_decay=0.01, eps=1e-6, foreach=False)
     loss_fn = value_loss if head == "value" else ppo_loss
@@ -149,6 +161,9 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     gdiff = 0.0
     tied = pm.tied
     for name, p in pm.named_parameters():
+        if not p.requires_grad:  # a LoRA base: frozen, no gradient
+            assert p.grad is None, f"{name} is frozen but has a gradient"
+            continue
         g = full(p.grad)
         if tied and name == "lm_head.weight":  # pp > 1: the last stage's copy of the tied embedding
             name = "model.embed_tokens.weight"
@@ -176,6 +191,12 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     # 4. full weights out: compare to the reference after `steps` steps; load strict into fresh HF
     sd = pm.full_state_dict(to=0)
     transfer = dict(pm.last_transfer)
+    if lora_cfg is not None:
+        adapters = {k: v for k, v in pm.iter_full_weights(to=0, adapters_only=True) if v is not None}
+        if rank == 0:
+            report["max_dadapter"] = max((adapters[k] - v.detach()).abs().max().item() for k, v in ref_named.items())
+            report["adapter_bytes"] = sum(t.numel() * t.element_size() for t in adapters.values())
+        ref_named = _merged_reference(ref)  # from here on the reference is the merged model, by HF name
     report.update(
         loss=loss, ref_loss=ref_loss, losses=losses,
         max_dlogprob=diffs.get("logprobs", diffs.get("values")), max_dentropy=diffs.get("entropy", 0.0),
@@ -217,7 +238,8 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
 
     # 5. save -> load into a fresh ParallelModel -> continue == uninterrupted run
     if ckpt is not None:
-        pm2 = ParallelModel(model, plan, head=head, max_grad_norm=max_grad_norm, seed=seed, groups=pm.groups, **opt)
+        pm2 = ParallelModel(model, plan, head=head, max_grad_norm=max_grad_norm, seed=seed, groups=pm.groups,
+                            lora=lora_cfg, **opt)
         pm2.set_packing(padding_free, token_budget)
         pm2.load(ckpt)
         resumed_step = pm2.step
@@ -236,8 +258,40 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     width = int(mine["attention_mask"].sum(-1).max()) if padding_free and token_budget else seq_len
     report["memory_compare"] = compare_with_estimate(mem, plan, pm.config, width, micro_batch_size if width == seq_len
                                                      else 1, head, activation_checkpointing,
-                                                     token_budget=token_budget if width != seq_len else None)
+                                                     token_budget=token_budget if width != seq_len else None, lora=lora_cfg)
     return report
+
+
+def _peft_reference(hf: nn.Module, cfg: Any, seed: int) -> nn.Module:
+    """``hf`` with peft's own LoRA layers (``inject_adapter_in_model``), holding the adapters rlkit starts
+    from (``init_adapters``: an input, like a seed)."""
+    from peft import inject_adapter_in_model
+
+    from rlkit.parallel.lora import init_adapters
+
+    inject_adapter_in_model(cfg, hf)
+    shapes = {n: tuple(p.shape) for n, p in hf.named_parameters() if p.requires_grad}
+    init = init_adapters(shapes, seed)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if n in init:
+                p.copy_(init[n])
+    return hf
+
+
+def _merged_reference(hf: nn.Module) -> dict[str, torch.Tensor]:
+    """The reference's weights with its adapters merged by peft (a copy), by HF name."""
+    from peft.tuners.lora import LoraLayer
+
+    merged = copy.deepcopy(hf)
+    for mod in merged.modules():
+        if isinstance(mod, LoraLayer):
+            mod.merge()
+    out = {}
+    for name, p in merged.named_parameters():
+        if ".lora_" not in name:
+            out[name.replace(".base_layer.", ".")] = p.detach()
+    return out
 
 
 def measure_load(model: Any, plan: ParallelPlan, warmup: Any = None) -> dict[str, Any]:
@@ -303,7 +357,7 @@ def _peak_rss() -> int:
 
 def compare_with_estimate(measured, plan: ParallelPlan, config, seq_len: int, micro_batch: int,
                           head: str = "lm", activation_checkpointing: bool = False,
-                          token_budget: int | None = None) -> list[dict] | None:
+                          token_budget: int | None = None, lora: Any = None) -> list[dict] | None:
     """Measured bytes vs ``rlkit.plan.memory.estimate_memory`` (fp32 AdamW, gathered logits) per
     rank: ``<col>_estimate``, ``<col>_measured``, ``<col>_rel_err``. The estimate splits saved
     activations into ``activations`` and ``logits``; measured activations hold both."""
@@ -311,11 +365,14 @@ def compare_with_estimate(measured, plan: ParallelPlan, config, seq_len: int, mi
         from rlkit.plan.memory import compare_memory, estimate_memory
     except ImportError:
         return None
+    import inspect  # TEMP until the planner takes lora
+    if lora is not None and "lora" not in inspect.signature(estimate_memory).parameters:
+        return None
     est = estimate_memory(plan, config, seq_len=seq_len, micro_batch=micro_batch, precision="fp32",
                           optimizer="adamw", roles=("critic",) if head == "value" else ("actor",),
                           gathered_logits=True, activation_checkpointing=activation_checkpointing,
                           flash_attention=False,  # rlkit.parallel builds HF models with eager attention
-                          token_budget=token_budget)
+                          token_budget=token_budget, **({"lora": lora} if lora is not None else {}))
     est = est.assign(activations=est["activations"] + est["logits"])
     cols = ["rank", "weights", "grads", "optimizer", "activations"]
     return compare_memory(est[cols], measured[cols]).to_dict(orient="records")

@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlkit.errors import PlanError
+from rlkit.parallel.lora import hf_name
 
 
 class CheckpointReader:
@@ -118,7 +119,7 @@ def materialize(stages: list[nn.Module], reader: CheckpointReader, device: torch
         with torch.device(device):
             st.model.rotary_emb = type(rotary)(config=config)
         for name, p in st.named_parameters():
-            source = name
+            source = hf_name(name)  # a LoRA layer's frozen base reads the HF tensor it wraps
             if name not in extra and name not in reader and name == "lm_head.weight":
                 source = "model.embed_tokens.weight"  # tied: the checkpoint stores the matrix once
             with torch.no_grad():

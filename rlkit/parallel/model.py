@@ -38,6 +38,17 @@ from rlkit.errors import CheckpointError, PlanError
 from rlkit.parallel.apply import apply_ac, apply_fsdp, apply_tp
 from rlkit.parallel.groups import ProcessGroups, build_groups, device_type
 from rlkit.parallel.loading import CheckpointReader, can_load_sharded, empty_model, materialize
+from rlkit.parallel.lora import (
+    adapters_disabled,
+    check_lora,
+    hf_name,
+    init_adapters,
+    inject,
+    is_lora,
+    merge,
+    module_of,
+    scaling,
+)
 from rlkit.parallel.packing import PackedMicroBatch, pack
 from rlkit.parallel.stage import split_stages
 from rlkit.plan.topology import ParallelPlan
@@ -103,7 +114,7 @@ class ParallelModel:
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  max_grad_norm: float | None = 1.0, activation_checkpointing: bool = False,
                  layer_split: list[int] | None = None, seed: int = 0, logprob_chunk: int = 1024,
-                 groups: ProcessGroups | None = None, mp_policy=None, precision: str = "fp32"):
+                 groups: ProcessGroups | None = None, mp_policy=None, precision: str = "fp32", lora: Any = None):
         choice("precision", precision, tuple(PRECISIONS), error=PlanError)
         # A local checkpoint loads sharded: built on meta, each rank reads only the shards it keeps
         # (loading.py). A module (or a hub id) is loaded whole, then sliced; so is a one-rank plan's
@@ -113,6 +124,13 @@ class ParallelModel:
         hf = empty_model(model) if sharded else load_hf(model)
         plan.validate(model=hf.config)
         self.plan, self.config, self.head = plan, hf.config, head
+        # LoRA (rlkit.parallel.lora): peft's layers go in before the split, so every layout applies to them
+        self.lora = check_lora(lora, hf, tp=plan.tp, head=head)
+        lora_init = {}
+        if self.lora is not None:
+            inject(hf, self.lora, seed)
+            if sharded:  # the adapters' values, full, for materialize (the rest comes from the checkpoint)
+                lora_init = init_adapters({n: tuple(p.shape) for n, p in hf.named_parameters() if is_lora(n)}, seed)
         # Tied input/output embeddings: one matrix when pp == 1 (apply_tp keeps TP's shards tied); with
         # pp > 1 the first and last stages each hold a copy and sum their gradients every step (Megatron).
         self.tied = bool(getattr(hf.config, "tie_word_embeddings", False)) and head == "lm"
@@ -151,7 +169,7 @@ class ParallelModel:
             if plan.dp > 1:
                 apply_fsdp(st, self.groups.fsdp_mesh, plan.dp_shard, mp_policy)
         if sharded:
-            materialize(self.stages, CheckpointReader(model), self.device, self.config, extra=value_init)
+            materialize(self.stages, CheckpointReader(model), self.device, self.config, extra=value_init | lora_init)
         self.has_first = 0 in self.stage_ids
         self.has_last = plan.n_stages - 1 in self.stage_ids
         self._tied_group = None  # on a pipeline's first and last stage: the group summing the copies' grads
@@ -161,11 +179,13 @@ class ParallelModel:
                                 "with rlkit.parallel.groups.build_groups(plan, tied_ends=True)")
             self._tied_group = self.groups.tied_ends
         self.params = [p for st in self.stages for p in st.parameters()]
+        # what trains: everything, or with LoRA the adapters only (the base has no grads, no AdamW state)
+        self.trainable = [p for p in self.params if p.requires_grad]
         # Plain tensors (no TP, no FSDP): the fused kernel (6x the per-tensor loop at 135M on one CPU
         # thread, bench/README). Otherwise foreach=False: params mix DTensors on different meshes (tp,
         # dp x tp) and plain tensors, which neither fused nor foreach kernels take in one call.
-        fused = not any(isinstance(p, DTensor) for p in self.params)
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay, betas=betas,
+        fused = not any(isinstance(p, DTensor) for p in self.trainable)
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=lr, weight_decay=weight_decay, betas=betas,
                                            eps=eps, **({"fused": True} if fused else {"foreach": False}))
         self.max_grad_norm = max_grad_norm
         self.step = 0
@@ -522,16 +542,28 @@ class ParallelModel:
         return root
 
     # ---- full weights out --------------------------------------------------------------------------
-    def iter_full_weights(self, to: str | int | Iterable[int] = "all") -> Iterator[tuple[str, torch.Tensor | None]]:
+    def iter_full_weights(self, to: str | int | Iterable[int] = "all", *,
+                          adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor | None]]:
         """Yield ``(hf_name, full tensor)`` one parameter at a time, on CPU, from any layout.
 
         ``to="all"``: every rank receives every tensor; ``to=0`` (or a set of ranks, e.g. the
         rollout engines' ranks): only those do (others get None). Every rank must iterate to the end (the gathers are collectives). A rank never
         holds more than one extra full tensor. Stats land in ``self.last_transfer``
         (bytes received by this rank, seconds).
+
+        With LoRA the names are HF's and an adapted layer's weight is merged, ``W + scaling * B @ A``;
+        ``adapters_only=True`` yields the adapters alone, under their own names (all that an engine holding
+        the base needs: ``RolloutEngine.load_lora``).
         """
-        t0, moved = time.perf_counter(), 0
-        metas = self._param_meta()
+        t0 = time.perf_counter()
+        self.last_transfer = {"bytes": 0.0}
+        metas = [m for m in self._param_meta() if not adapters_only or is_lora(m[0])]
+        stream = self._gather(metas, to)
+        yield from (self._merged(stream) if self.lora is not None and not adapters_only else stream)
+        self.last_transfer["seconds"] = time.perf_counter() - t0
+
+    def _gather(self, metas: list, to: str | int | Iterable[int]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        moved = 0
         targets = None if to == "all" else ({to} if isinstance(to, int) else set(to))
         # A pipeline column joins the stage broadcasts when it holds a receiving rank.
         want = targets is None or bool(targets & set(self.plan.group_of(self.rank, "pp")))
@@ -549,8 +581,34 @@ class ParallelModel:
                 if owner != self.pp_rank:
                     moved += t.numel() * t.element_size()
             receive = targets is None or self.rank in targets
+            self.last_transfer["bytes"] = float(moved)
             yield name, (t.cpu() if receive else None)
-        self.last_transfer = {"bytes": float(moved), "seconds": time.perf_counter() - t0}
+
+    def _merged(self, stream: Iterator[tuple[str, torch.Tensor | None]]) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """HF names, and each adapted weight merged with its adapters once the three have streamed by."""
+        parts: dict[str, dict[str, torch.Tensor | None]] = {}
+        scale = scaling(self.lora)
+        for name, t in stream:
+            if not is_lora(name) and not name.endswith(".base_layer.weight"):
+                yield hf_name(name), t
+                continue
+            mod = module_of(name)
+            key = "A" if ".lora_A." in name else "B" if ".lora_B." in name else "W"
+            got = parts.setdefault(mod, {})
+            got[key] = t
+            if len(got) == 3:
+                del parts[mod]
+                yield f"{mod}.weight", (None if got["W"] is None else merge(got["W"], got["A"], got["B"], scale))
+
+    def adapters_disabled(self):
+        """A context in which this rank's stages run as the base model (LoRA's reference policy).
+
+        >>> with actor.adapters_disabled():                                   # doctest: +SKIP
+        ...     ref = actor.logprobs(ids, mask)["logprobs"]
+        """
+        if self.lora is None:
+            raise PlanError("adapters_disabled() needs a model with LoRA adapters (ParallelModel(..., lora=...))")
+        return adapters_disabled(self.stages)
 
     def full_state_dict(self, to: str | int = 0) -> dict[str, torch.Tensor]:
         """Full HF-named weights (CPU), loadable with ``load_state_dict(strict=True)`` into a fresh

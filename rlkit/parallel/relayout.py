@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from rlkit.errors import PlanError
 from rlkit.parallel.apply import DEFAULT_LAYER_PLAN
 from rlkit.parallel.groups import GenerationGroups
+from rlkit.parallel.lora import ADAPTER, hf_name, is_lora, module_of, scaling
 from rlkit.parallel.model import _bytes
 
 if TYPE_CHECKING:
@@ -124,7 +125,8 @@ class Resharder:
         peak = held = _bytes(pm.params)
         group_size = len(self.members)
         for name, shape, dtype, owner in pm._param_meta():
-            dim = shard_dim(name, pm.config)
+            # LoRA: an adapter travels whole (it is small) and is merged into its layer's shard below
+            dim = None if is_lora(name) else shard_dim(hf_name(name), pm.config)
             gshape = list(shape)
             if dim is not None:  # torch.chunk's split, as DTensor's Shard (a vocab may not divide by t_g)
                 c = -(-shape[dim] // tg)
@@ -183,6 +185,8 @@ class Resharder:
             peak = max(peak, held)
             shards[name] = out
             del own
+        if pm.lora is not None:
+            shards = self._merge_adapters(shards)
         if getattr(pm.config, "tie_word_embeddings", False) and "lm_head.weight" not in shards:
             shards["lm_head.weight"] = shards["model.embed_tokens.weight"]
         self.shards = shards
@@ -190,6 +194,27 @@ class Resharder:
         stats = {"bytes": float(received), "seconds": time.perf_counter() - t0,
                  "peak_param_bytes": float(max(peak, check)), "param_bytes": float(check)}
         return shards, stats
+
+    def _merge_adapters(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """HF names, and each adapted layer's generation shard merged: ``W_shard + scaling * (B @ A)_shard``,
+        a new tensor (the shard may be the training storage, which must stay the base)."""
+        out: dict[str, torch.Tensor] = {}
+        scale, tg = scaling(self.pm.lora), self.layout.tp
+        for name, t in shards.items():
+            if is_lora(name):
+                continue
+            if not name.endswith(".base_layer.weight"):
+                out[hf_name(name)] = t
+                continue
+            mod = module_of(name)
+            a, b = shards[f"{mod}.lora_A.{ADAPTER}.weight"], shards[f"{mod}.lora_B.{ADAPTER}.weight"]
+            delta = (b.float() @ a.float()) * scale
+            dim = shard_dim(f"{mod}.weight", self.pm.config)
+            if dim is not None and tg > 1:  # this rank's rows (colwise) or columns (rowwise), as torch.chunk cut W
+                c = -(-delta.shape[dim] // tg)
+                delta = delta.narrow(dim, self.gen_tp * c, t.shape[dim])
+            out[f"{mod}.weight"] = (t.float() + delta).to(t.dtype)
+        return out
 
     def _release_training(self, own: torch.Tensor, slot: torch.Tensor) -> None:
         storage = own.untyped_storage()
