@@ -161,9 +161,10 @@ def check_model(path: str | os.PathLike, state: dict[str, Any], model_path: str)
                               f"checkpoint of {model_path}")
 
 
-def model_shapes(model_path: str, head: str = "lm") -> dict[str, tuple[int, ...]]:
+def model_shapes(model_path: str, head: str = "lm", lora: Any = None) -> dict[str, tuple[int, ...]]:
     """HF name -> shape of every parameter of ``model_path``'s model (built on the meta device, nothing
-    read or stored); a critic (``head="value"``) has no lm_head.
+    read or stored); a critic (``head="value"``) has no lm_head. ``lora``: with peft's LoRA layers in
+    (the names a LoRA run's shards hold, ``rlkit.parallel.lora``).
 
     >>> from rlkit.models import tiny_lm
     >>> model_shapes(tiny_lm("qwen2", size="test"))["model.embed_tokens.weight"]
@@ -172,6 +173,10 @@ def model_shapes(model_path: str, head: str = "lm") -> dict[str, tuple[int, ...]
     from rlkit.parallel.loading import empty_model
 
     hf = empty_model(model_path)
+    if lora is not None:
+        from rlkit.parallel.lora import as_lora_config, inject
+
+        inject(hf, as_lora_config(lora), seed=0)
     shapes = {n: tuple(p.shape) for n, p in hf.named_parameters(remove_duplicate=False)}
     return {n: s for n, s in shapes.items() if not (head == "value" and n.startswith("lm_head."))}
 
@@ -243,11 +248,13 @@ def _check_shapes(folder: Path, meta: Any, shapes: dict[str, tuple[int, ...]], m
 def check_checkpoint(path: str | os.PathLike, state: dict[str, Any], model_path: str, world_size: int,
                      roles: Iterable[tuple[str, str]] = (("actor", "lm"),)) -> None:
     """Everything the driver can check before workers start: ``check_model``, then ``check_shards`` with
-    the model's shapes for each ``(role folder, head)``."""
+    the model's shapes for each ``(role folder, head)`` (the actor's with the run's LoRA layers, if any)."""
     path = Path(path).absolute()
     check_model(path, state, model_path)
+    lora = (state.get("config") or {}).get("lora")
     for role, head in roles:
-        check_shards(path / role, world_size, model_shapes(model_path, head), model_path)
+        shapes = model_shapes(model_path, head, lora if role == "actor" else None)
+        check_shards(path / role, world_size, shapes, model_path)
 
 
 def verified_state(path: str | os.PathLike) -> tuple[dict[str, Any], Any]:
@@ -407,6 +414,39 @@ def write_pretrained(path: str | os.PathLike, weights: dict[str, torch.Tensor], 
     return str(path)
 
 
+def write_adapter(path: str | os.PathLike, adapters: dict[str, torch.Tensor], lora: Any, model_path: str) -> str:
+    """Write LoRA ``adapters`` (``RLWorker.adapter_weights``' names) in peft's own format, atomically:
+    ``adapter_config.json`` (the run's ``LoraConfig``, base model ``model_path``) and
+    ``adapter_model.safetensors``. ``PeftModel.from_pretrained(base, path)`` loads it. Returns the path.
+
+    >>> import tempfile, pathlib
+    >>> from peft import LoraConfig, PeftModel
+    >>> from transformers import AutoModelForCausalLM
+    >>> from rlkit.models import tiny_lm
+    >>> src = tiny_lm("qwen2", size="test"); a = torch.ones(2, 64)
+    >>> names = [f"model.layers.{i}.self_attn.q_proj.lora_{x}.default.weight" for i in range(2) for x in "AB"]
+    >>> ad = {n: torch.ones(2, 64) if "lora_A" in n else torch.zeros(64, 2) for n in names}
+    >>> out = write_adapter(pathlib.Path(tempfile.mkdtemp()) / "adapter", ad, LoraConfig(r=2, target_modules=["q_proj"]), src)
+    >>> m = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(src), out)
+    >>> float(m.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight.sum())
+    128.0
+    """
+    import copy
+
+    from safetensors.torch import save_file
+
+    from rlkit.parallel.lora import peft_name
+
+    config = copy.deepcopy(lora)
+    config.base_model_name_or_path = str(model_path)
+    config.inference_mode = True
+    with atomic.folder(path) as tmp:
+        config.save_pretrained(str(tmp))
+        save_file({peft_name(k): v.contiguous() for k, v in adapters.items()}, str(tmp / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+    return str(path)
+
+
 __all__ = ["FORMAT", "check_checkpoint", "check_model", "check_shards", "damage_report", "model_shapes",
-           "pretrained_target", "read_state", "stamp", "worker_failure", "write_model_config",
+           "pretrained_target", "read_state", "stamp", "worker_failure", "write_adapter", "write_model_config",
            "write_pretrained"]

@@ -51,6 +51,7 @@ class TrainerConfig:
     precision: str = "fp32"              # "bf16-mixed": bf16 autocast on fp32 weights (TRL's bf16=True)
     padding_free: bool = True            # pack sequences, pay for real tokens only (False: the padded layout)
     micro_batch_tokens: int | None = None  # padding-free: tokens per micro-batch (None: the plan's micro-batches)
+    lora: Any = None                     # peft LoraConfig (TRL's peft_config) or an int rank: train adapters only
     gamma: float = 1.0                   # GAE (ppo)
     lam: float = 1.0
     critic_lr: float = 1e-4
@@ -109,6 +110,12 @@ class TrainerConfig:
         boolean("padding_free", self.padding_free, **err)
         integer("micro_batch_tokens", self.micro_batch_tokens, none_ok=True,
                 hint="tokens per micro-batch, at least the longest prompt + response, e.g. 4096", **err)
+        from rlkit.parallel.lora import as_lora_config
+
+        try:
+            self.lora = as_lora_config(self.lora)  # a LoraConfig, or None; checked against the model by the Trainer
+        except ValueError as e:
+            raise TrainerError(str(e)) from None
         if self.micro_batch_tokens is not None and not self.padding_free:
             raise TrainerError(f"micro_batch_tokens={self.micro_batch_tokens} sizes padding-free micro-batches; "
                                f"set padding_free=True, or micro_batch_tokens=None for the padded layout")

@@ -203,6 +203,28 @@ def padding_free(config: TrainerConfig, plan: ParallelPlan) -> bool:
     return config.padding_free
 
 
+def check_lora(config: TrainerConfig, model_path: str, plan: ParallelPlan) -> None:
+    """``config.lora`` against the model and plan (``rlkit.parallel.lora.check_lora``), in the driver: a rank that
+    is not a positive int, targets that match nothing (the model's linear layers named), unsupported options,
+    dropout under TP; and a base checkpoint that is itself a peft adapter folder."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    from rlkit.parallel.lora import check_lora as check
+
+    if config.lora is None:
+        return
+    if (Path(model_path) / "adapter_config.json").exists():
+        raise TrainerError(f"model={model_path!r} is a peft adapter folder; LoRA training starts from a full model. "
+                           f"Merge it first: PeftModel.from_pretrained(base, path).merge_and_unload()"
+                           f".save_pretrained(folder), then pass that folder as model=")
+    try:
+        check(config.lora, AutoConfig.from_pretrained(model_path), tp=plan.tp)
+    except ValueError as e:
+        raise TrainerError(str(e)) from None
+
+
 def check_token_budget(config: TrainerConfig, layout: Any) -> None:
     """A padding-free micro-batch must hold the longest sequence the run can make (prompt + response)."""
     budget = config.micro_batch_tokens

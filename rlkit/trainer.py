@@ -29,6 +29,7 @@ from rlkit.data import heldout_split
 from rlkit.errors import RewardError, TrainerError
 from rlkit.hub import resolve_checkpoint
 from rlkit.interrupt import StopOnInterrupt
+from rlkit.parallel.lora import lora_to_dict
 from rlkit.plan.topology import ParallelPlan
 from rlkit.rewards.functions import RewardFunctions
 from rlkit.rollout import Rollout
@@ -104,6 +105,7 @@ class Trainer:
         inputs.check_token_budget(self.config, self.layout)
         inputs.padding_free(self.config, self.plan)  # a token budget on a dp x pp plan fails here, before workers
         self.plan.validate(model=self.model_path)
+        inputs.check_lora(self.config, self.model_path, self.plan)
         inputs.check_generation_layout(self.rollout, self.placement, self.model_path)
         self.uses_reference = self.config.kl_coef > 0 or self.algo.needs_reference
         self.step = 0
@@ -126,7 +128,8 @@ class Trainer:
                               f"{time.strftime('%H:%M:%S')})")
         worker_kwargs = dict(rollout=self.rollout, actor_lr=c.lr, critic_lr=c.critic_lr, max_grad_norm=c.max_grad_norm,
                              need_ref=self.uses_reference, need_critic=self.algo.needs_critic, precision=c.precision,
-                             padding_free=inputs.padding_free(c, self.plan), micro_batch_tokens=c.micro_batch_tokens)
+                             padding_free=inputs.padding_free(c, self.plan), micro_batch_tokens=c.micro_batch_tokens,
+                             lora=c.lora)
         self.workers, self.cluster = RLWorkers.start(
             self.placement, self.cluster, model_path=self.model_path, layout=self.layout,
             worker_kwargs=worker_kwargs, seed=c.seed, timeout_s=c.timeout_s, owner=self,
@@ -386,6 +389,9 @@ class Trainer:
         with atomic.folder(path) as tmp:
             self.workers.save(str(tmp))
             checkpoint.write_model_config(tmp, self.model_path)
+            if self.config.lora is not None:  # the adapters in peft's format too: PeftModel.from_pretrained(base, ...)
+                checkpoint.write_adapter(tmp / "adapter", self.workers.adapter_weights(), self.config.lora,
+                                         self.model_path)
             state = {"step": self.step, "rows": self._rows_log, "kl_coef": getattr(self.kl_ctl, "value", None),
                      **checkpoint.stamp(), **self._state_config()}
             (tmp / "trainer.json").write_text(json.dumps(state, default=str))
@@ -396,7 +402,8 @@ class Trainer:
         weights (a tied lm_head written once), generation config, tokenizer and chat template. It loads with
         ``AutoModelForCausalLM.from_pretrained(path)`` and ``vllm.LLM(path)``. Written atomically; an earlier
         ``save_pretrained`` folder at ``path`` is replaced. ``dtype`` casts the weights (default: the
-        actor's, fp32). Returns the path. A critic is not included (``save`` keeps it).
+        actor's, fp32). Returns the path. A critic is not included (``save`` keeps it). With LoRA the
+        adapters are merged into the weights (``save_adapter`` writes them alone).
 
         >>> trainer.fit(steps=20)                                                   # doctest: +SKIP
         >>> path = trainer.save_pretrained("runs/final")                            # doctest: +SKIP
@@ -410,6 +417,23 @@ class Trainer:
         target = checkpoint.pretrained_target(path, self.model_path)  # refused before any gather
         return checkpoint.write_pretrained(target, self.workers.full_weights(), self.model_path,
                                            tokenizer=self.tokenizer, dtype=dtype)
+
+    def save_adapter(self, path: str | os.PathLike) -> str:
+        """The trained LoRA adapters in peft's own format (``adapter_config.json``, ``adapter_model.safetensors``),
+        written atomically; ``PeftModel.from_pretrained(base_model, path)`` loads them. ``save_pretrained`` writes
+        the merged model instead. Returns the path.
+
+        >>> path = trainer.save_adapter("runs/adapter")                             # doctest: +SKIP
+        >>> model = peft.PeftModel.from_pretrained(base, path)                      # doctest: +SKIP
+        """
+        from rlkit import checkpoint
+
+        if self.config.lora is None:
+            raise TrainerError("save_adapter needs a LoRA run (Trainer(..., lora=LoraConfig(...))); this run trains "
+                               "full weights: use save_pretrained")
+        if self.workers is None:
+            raise TrainerError("this Trainer was closed; Trainer.load a checkpoint and save_adapter from it")
+        return checkpoint.write_adapter(path, self.workers.adapter_weights(), self.config.lora, self.model_path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, dataset: Any, reward: Any = None, cluster: Any = None,
@@ -446,7 +470,8 @@ class Trainer:
         plan = {f.name: getattr(self.plan, f.name) for f in dataclasses.fields(self.plan) if f.init}
         return {"model": self.model_path, "algorithm": self.algorithm, "plan": plan, "placement": self.placement.kind,
                 "rollout_workers": self.placement.rollout_workers,
-                "rollout": dataclasses.asdict(self.rollout), "config": dataclasses.asdict(self.config)}
+                "rollout": dataclasses.asdict(self.rollout),
+                "config": {**dataclasses.asdict(self.config), "lora": lora_to_dict(self.config.lora)}}
 
     def close(self) -> None:
         """Stop the worker groups and give their CPUs/GPUs back (the cluster stays up). Idempotent."""

@@ -258,6 +258,51 @@ class RolloutEngine(ABC):
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Copy new weights (HF checkpoint names) into the engine; returns {"bytes", "seconds", "tensors"}."""
 
+    def load_lora(self, adapters: Iterable[tuple[str, torch.Tensor]], scaling: float) -> dict[str, float]:
+        """Take LoRA adapters (``rlkit.parallel.lora`` names, ``...q_proj.lora_A.default.weight``) and run the
+        adapted model: each adapted layer's weight becomes ``W_base + scaling * B @ A``, loaded in place with
+        ``load_weights``. Only the adapters cross from the trainer (bytes in proportion to the adapter); the
+        base ``W_base`` of each adapted layer is read once from the engine's checkpoint (a LoRA base never
+        changes) and kept. Merged weights generate at full speed, and the merge works on every engine
+        (vLLM-on-CPU included, whose own LoRA path this avoids). Returns ``load_weights``' report with
+        ``bytes`` the adapters' bytes.
+
+        >>> eng.load_lora(actor.iter_full_weights(to=0, adapters_only=True), scaling=2.0)  # doctest: +SKIP
+        """
+        from rlkit.parallel.lora import merge, module_of
+
+        t0 = time.perf_counter()
+        parts: dict[str, dict[str, torch.Tensor]] = {}
+        nbytes = 0
+        for name, t in named_tensor_items(adapters):
+            parts.setdefault(module_of(name), {})["A" if ".lora_A." in name else "B"] = t
+            nbytes += t.numel() * t.element_size()
+        if not hasattr(self, "_lora_base"):
+            self._lora_base: dict[str, torch.Tensor] = {}
+        merged = []
+        for mod, ab in parts.items():
+            if set(ab) != {"A", "B"}:
+                raise RolloutError(f"load_lora got only lora_{''.join(ab)} of {mod}; send both adapters of a layer")
+            key = f"{mod}.weight"
+            if key not in self._lora_base:
+                self._lora_base[key] = self._base_weight(key)
+            merged.append((key, merge(self._lora_base[key], ab["A"], ab["B"], scaling)))
+        report = self._load_merged(merged)
+        return {**report, "bytes": nbytes, "seconds": time.perf_counter() - t0}
+
+    def _load_merged(self, merged: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Load the merged layers of ``load_lora`` (the rest of the engine's weights are the base already)."""
+        return self.load_weights(merged)
+
+    def _base_weight(self, name: str) -> torch.Tensor:
+        """The checkpoint's tensor ``name`` (the base a LoRA adapter is merged into)."""
+        from rlkit.parallel.loading import CheckpointReader
+
+        path = getattr(self, "path", None)
+        if path is None:
+            raise RolloutError("load_lora needs the engine's base weights: build the engine from a checkpoint folder")
+        return CheckpointReader(path).get(name)
+
     def sleep(self) -> None:  # noqa: B027 (optional hook, a no-op by default)
         """Free accelerator memory between rollouts where the engine can; a no-op otherwise."""
 

@@ -165,14 +165,14 @@ class HFEngine(RolloutEngine):
 
             from rlkit.rollout.base import load_tokenizer
 
-            path = str(model_or_path)
+            path = self.path = str(model_or_path)
             dtype = "auto" if config.dtype == "auto" else getattr(torch, config.dtype)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
             if torch.cuda.is_available():
                 model = model.to("cuda")
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         else:
-            model = model_or_path
+            model, self.path = model_or_path, None
         self.model = model  # generate() runs it in eval mode and restores its mode afterwards
         self.last_decode = ""  # "lean" or "generate (why)": which loop the last chunk ran
         self.device = next(model.parameters()).device
@@ -274,6 +274,12 @@ class HFEngine(RolloutEngine):
             nbytes += t.numel() * t.element_size()
             count += 1
         return {"bytes": nbytes, "seconds": time.perf_counter() - t0, "tensors": count}
+
+    def _base_weight(self, name: str) -> torch.Tensor:
+        # the model's own tensor, before any adapter was merged into it (load_lora asks once per layer)
+        if self.path is not None:
+            return super()._base_weight(name)
+        return self.model.state_dict()[name].detach().clone()
 
     def sleep(self) -> None:
         if self.device.type == "cuda":  # park weights on the host while the trainer uses the GPU

@@ -204,6 +204,16 @@ class VLLMEngine(RolloutEngine):
         nbytes = sum(t.numel() * t.element_size() for _, t in items)
         return {"bytes": nbytes, "seconds": time.perf_counter() - t0, "tensors": len(items)}
 
+    def _load_merged(self, merged: list[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        # reload_weights re-initializes every weight it is not given (measured: NaN log-probs after loading the
+        # adapted layers alone), so the untouched base tensors go in again, read from the checkpoint on this
+        # machine: the trainer still sends only the adapters
+        from rlkit.parallel.loading import CheckpointReader
+
+        reader, given = CheckpointReader(self.path), {n for n, _ in merged}
+        rest = ((n, reader.get(n)) for n in reader.files if n not in given)
+        return self.load_weights([*merged, *rest])
+
     def sleep(self) -> None:
         # vLLM's sleep mode needs enable_sleep_mode=True at start and an accelerator; a no-op on CPU
         if not self.on_cpu and self.config.engine_kwargs.get("enable_sleep_mode"):

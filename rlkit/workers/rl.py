@@ -33,6 +33,7 @@ import torch.distributed as dist
 from rlkit.algos import call_policy_loss, entropy_bonus, kl_loss, masked_mean, policy_loss, value_loss
 from rlkit.parallel import ParallelModel
 from rlkit.parallel.groups import build_generation_groups, build_groups
+from rlkit.parallel.lora import scaling
 from rlkit.plan.hybrid import GenerationLayout
 from rlkit.plan.topology import ParallelPlan
 from rlkit.rollout import Rollout, make_engine
@@ -87,7 +88,8 @@ class RLWorker:
     def __init__(self, model_path: str, plan: ParallelPlan, *, rollout: Rollout, prompt_len: int,
                  actor_lr: float, critic_lr: float = 1e-4, max_grad_norm: float | None = 1.0,
                  need_ref: bool = False, need_critic: bool = False, seed: int = 0, colocate_rollout: bool = True,
-                 precision: str = "fp32", padding_free: bool = False, micro_batch_tokens: int | None = None):
+                 precision: str = "fp32", padding_free: bool = False, micro_batch_tokens: int | None = None,
+                 lora: Any = None):
         from transformers import AutoConfig
 
         torch.manual_seed(seed)
@@ -96,8 +98,9 @@ class RLWorker:
         config = AutoConfig.from_pretrained(str(model_path))
         groups = build_groups(plan, tied_ends=bool(getattr(config, "tie_word_embeddings", False)) and plan.pp > 1)
         common = dict(max_grad_norm=max_grad_norm, seed=seed, eps=1e-6, precision=precision, groups=groups)
-        self.actor = ParallelModel(model_path, plan, lr=actor_lr, **common)
-        self.ref = ParallelModel(model_path, plan, lr=0.0, **common) if need_ref else None
+        self.actor = ParallelModel(model_path, plan, lr=actor_lr, lora=lora, **common)
+        # LoRA: the reference is the actor with its adapters off (no second copy of the model, as TRL and verl)
+        self.ref = ParallelModel(model_path, plan, lr=0.0, **common) if need_ref and lora is None else None
         self.critic = ParallelModel(model_path, plan, head="value", lr=critic_lr, **common) if need_critic else None
         for model in (self.actor, self.ref):  # every loss and metric here reads the response's columns only
             if model is not None:
@@ -127,9 +130,15 @@ class RLWorker:
         if self.hybrid is not None:
             return SyncReport(**self.hybrid.reshard(), rss_gb=_rss_gb())
         t0 = time.perf_counter()
-        stream = self.actor.iter_full_weights(to=self.engine_ranks)
+        lora = self.actor.lora
+        # LoRA: only the adapters travel; the engine merges them into the base it loaded (load_lora)
+        stream = self.actor.iter_full_weights(to=self.engine_ranks, adapters_only=lora is not None)
         if self.engine is not None:
-            self.engine.load_weights((n, t) for n, t in stream if t is not None)
+            named = ((n, t) for n, t in stream if t is not None)
+            if lora is None:
+                self.engine.load_weights(named)
+            else:
+                self.engine.load_lora(named, scaling(lora))
         for _ in stream:  # drain: the gathers are collectives
             pass
         moved = self.actor.last_transfer.get("bytes", 0.0)
@@ -155,9 +164,14 @@ class RLWorker:
         return {"logprobs": self.layout.response(out["logprobs"]), "entropy": self.layout.response(out["entropy"])}
 
     def ref_logprobs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """The reference model's ``ref_logprobs`` of the response tokens."""
-        return {"ref_logprobs": self.layout.response(self.ref.logprobs(batch["input_ids"],
-                                                                       batch["attention_mask"])["logprobs"])}
+        """The reference model's ``ref_logprobs`` of the response tokens (with LoRA: the actor, adapters off)."""
+        if self.ref is None and self.actor.lora is not None:
+            self._training_layout()
+            with self.actor.adapters_disabled():
+                out = self.actor.logprobs(batch["input_ids"], batch["attention_mask"])
+        else:
+            out = self.ref.logprobs(batch["input_ids"], batch["attention_mask"])
+        return {"ref_logprobs": self.layout.response(out["logprobs"])}
 
     def values(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
         """The critic's ``values`` of the states before each response token."""
@@ -194,10 +208,10 @@ class RLWorker:
 
     # ---- weights out ---------------------------------------------------------------------------
     def send_weights(self) -> tuple[dict[str, torch.Tensor] | None, SyncReport]:
-        """For a rollout group of its own (split placement): ``full_weights`` and this rank's part of the
-        sync. A collective."""
+        """For a rollout group of its own (split placement): ``full_weights`` (with LoRA ``adapter_weights``)
+        and this rank's part of the sync. A collective."""
         t0 = time.perf_counter()
-        sd = self.full_weights()
+        sd = self.full_weights() if self.actor.lora is None else self.adapter_weights()
         return sd, SyncReport(bytes=self.actor.last_transfer.get("bytes", 0.0), seconds=time.perf_counter() - t0,
                               rss_gb=_rss_gb())
 
@@ -205,6 +219,13 @@ class RLWorker:
         """Full HF-named actor weights on rank 0 (None elsewhere). A collective."""
         self._training_layout()
         sd = self.actor.full_state_dict(to=0)
+        return sd if self.rank == 0 else None
+
+    def adapter_weights(self) -> dict[str, torch.Tensor] | None:
+        """The actor's LoRA adapters, full, on rank 0 (None elsewhere); names ``...q_proj.lora_A.default.weight``.
+        A collective."""
+        self._training_layout()
+        sd = {n: t for n, t in self.actor.iter_full_weights(to=0, adapters_only=True) if t is not None}
         return sd if self.rank == 0 else None
 
     # ---- state ---------------------------------------------------------------------------------
@@ -247,8 +268,9 @@ class RLWorker:
 class RolloutWorker:
     """A rollout engine on its own worker (split placement): no process group, no training state."""
 
-    def __init__(self, model_path: str, *, rollout: Rollout, prompt_len: int, seed: int = 0):
+    def __init__(self, model_path: str, *, rollout: Rollout, prompt_len: int, seed: int = 0, lora: Any = None):
         torch.manual_seed(seed)
+        self.lora_scaling = scaling(lora) if lora is not None else None  # adapters arrive alone (load_weights)
         self.layout = SequenceLayout(prompt_len, rollout.max_new_tokens)
         self.dp_rank = int(os.environ.get("RANK", "0"))
         self.engine = make_engine(rollout, model_path)
@@ -259,8 +281,12 @@ class RolloutWorker:
                               **overrides)
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> SyncReport:
+        """The actor's full weights, or with LoRA its adapters (merged here into the engine's base)."""
         t0 = time.perf_counter()
-        self.engine.load_weights(state.items())
+        if self.lora_scaling is not None:
+            self.engine.load_lora(state.items(), self.lora_scaling)
+        else:
+            self.engine.load_weights(state.items())
         return SyncReport(bytes=float(sum(t.numel() * t.element_size() for t in state.values())),
                           seconds=time.perf_counter() - t0, rss_gb=_rss_gb())
 

@@ -89,6 +89,7 @@ class RLWorkers:
             if "rollout" in pools:
                 rollout_group = WorkerGroup(cluster, placement.rollout_workers, RolloutWorker, model_path,
                                             rollout=rollout, prompt_len=layout.prompt_len, seed=seed,
+                                            lora=worker_kwargs.get("lora"),
                                             init_process_group=False, pool=pools["rollout"], owns_pool=True,
                                             timeout_s=timeout_s, name="rollout", owner=owner)
                 held.append(rollout_group)
@@ -183,6 +184,10 @@ class RLWorkers:
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The actor's full HF-named weights (CPU), gathered from every rank's shards to the driver."""
         return self.group.call(RLWorker.full_weights, timeout=self.timeout_s)[0]
+
+    def adapter_weights(self) -> dict[str, torch.Tensor]:
+        """The actor's LoRA adapters (CPU), gathered from every rank's shards to the driver."""
+        return self.group.call(RLWorker.adapter_weights, timeout=self.timeout_s)[0]
 
     def close(self) -> None:
         """Close the workers politely (bounded), then shut the groups down. Idempotent."""
