@@ -11,12 +11,13 @@ from rlkit.plan.schedule import (
     pipeline_timeline,
 )
 from rlkit.plan.search import Recommendation, recommend, search_plans
-from rlkit.plan.spec import ModelSpec, as_spec, bundled_models
+from rlkit.plan.spec import LoraSpec, ModelSpec, as_spec, bundled_models, lora_params
 from rlkit.plan.throughput import GPUS, NETWORKS, estimate_generation, estimate_throughput
 from rlkit.plan.topology import SCHEDULES, SHARDING, ParallelPlan
 from rlkit.plan.units import parse_bytes
 
 __all__ = ["ModelSpec", "ParallelPlan", "SCHEDULES", "SHARDING", "as_spec", "bundled_models",
+           "LoraSpec", "lora_params",
            "pipeline_order", "pipeline_timeline", "bubble_fraction", "idle_fraction", "peak_in_flight",
            "GPUS", "NETWORKS", "estimate_throughput", "estimate_generation",
            "search_plans", "recommend", "Recommendation",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -222,3 +223,216 @@ def as_spec(model: Any) -> ModelSpec:
         return ModelSpec.from_config(model.config)
     raise PlanError(f"cannot read a model from {type(model).__name__}; pass a ModelSpec, a bundled name "
                     f"({', '.join(bundled_models())}), a path, an HF config or model")
+
+
+# ---- LoRA adapters ---------------------------------------------------------------------------------
+#: what ``lora=<int r>`` targets (rlkit's shorthand, as ``rlkit.parallel.lora.as_lora_config``): the
+#: attention and MLP projections of every decoder layer
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LINEAR_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                  "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+# LoraConfig fields that change which parameters train; rlkit trains plain LoRA only (the runtime's
+# check_lora refuses them too), so the planner refuses rather than count them wrong
+_UNMODELLED = {"use_dora": False, "bias": "none", "modules_to_save": None, "rank_pattern": {}, "lora_bias": False,
+               "target_parameters": None, "layer_replication": None}
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The part of a LoRA config that sizes the adapters: rank ``r`` and which linear layers get one.
+
+    ``coerce`` reads a peft ``LoraConfig`` by its attributes (``r``, ``target_modules``, ``lora_alpha``,
+    ``lora_dropout``, ``layers_to_transform``, ``layers_pattern``, ``exclude_modules``), a dict of them,
+    or an int ``r`` (rlkit's shorthand: ``lora_alpha = 2r``, the seven projections of ``LORA_TARGETS``).
+    ``target_modules`` follows peft's matching against the HF module names
+    (``model.layers.{i}.self_attn.q_proj``, ``model.layers.{i}.mlp.down_proj``): a list of names matches
+    a module whose name ends with one, a string is a full-match regex, ``"all-linear"`` is every linear
+    layer of the decoder layers (peft leaves the lm_head out).
+
+    >>> lo = LoraSpec.coerce(16)
+    >>> lo.r, lo.lora_alpha, lo.target_modules[:2]
+    (16, 32, ('q_proj', 'k_proj'))
+    >>> LoraSpec.coerce({"r": 8, "target_modules": ["v_proj", "q_proj"]}).layer_targets(as_spec("llama-2-7b"))[0]
+    ('q_proj', 'v_proj')
+    """
+
+    r: int
+    target_modules: tuple[str, ...] | str
+    lora_alpha: float | None = None
+    lora_dropout: float = 0.0
+    layers_to_transform: tuple[int, ...] | None = None
+    layers_pattern: tuple[str, ...] | None = None
+    exclude_modules: tuple[str, ...] | str | None = None
+
+    @classmethod
+    def coerce(cls, lora: Any) -> LoraSpec | None:
+        """``lora`` as a LoraSpec (None stays None); a ``PlanError`` naming the value when it is not a
+        positive rank, names no target, or asks for what rlkit does not train (DoRA, trained biases,
+        ``modules_to_save``, per-layer ranks)."""
+        if lora is None or isinstance(lora, cls):
+            return lora
+        if isinstance(lora, bool):
+            raise PlanError(f"lora={lora!r} must be None, an int rank (e.g. lora=16) or a peft LoraConfig")
+        if isinstance(lora, int):
+            _check_rank(lora)
+            return cls(r=lora, target_modules=LORA_TARGETS, lora_alpha=2 * lora)
+        get = lora.get if isinstance(lora, dict) else (lambda k, d=None: getattr(lora, k, d))
+        if get("r") is None:
+            raise PlanError(f"lora={lora!r} must be None, an int rank (e.g. lora=16) or a peft LoraConfig "
+                            f"(something with r and target_modules)")
+        _check_rank(get("r"))
+        for field, default in _UNMODELLED.items():
+            value = get(field, default)
+            if value != default and not (default in ({}, None) and not value):
+                raise PlanError(f"LoRA {field}={value!r} is not modelled by the planner (rlkit trains plain LoRA "
+                                f"adapters); leave {field} at its default ({default!r})")
+        dropout = get("lora_dropout", 0.0) or 0.0
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+            raise PlanError(f"LoRA lora_dropout={dropout!r} must be a fraction in [0, 1)")
+        targets = _names(get("target_modules"), "target_modules")
+        if not targets:
+            raise PlanError(f"LoRA target_modules={get('target_modules')!r} names no layer; name some of the "
+                            f"decoder layers' linear layers, e.g. {list(LORA_TARGETS)} or 'all-linear'")
+        if isinstance(targets, str) and targets.lower() == "all-linear":
+            targets = "all-linear"
+        layers = get("layers_to_transform")
+        if isinstance(layers, int) and not isinstance(layers, bool):
+            layers = (layers,)
+        layers = tuple(layers) if layers else None
+        if layers is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+            raise PlanError(f"LoRA layers_to_transform={get('layers_to_transform')!r} must be layer indices (ints >= 0)")
+        pattern = get("layers_pattern")
+        pattern = (pattern,) if isinstance(pattern, str) else tuple(pattern) if pattern else None
+        return cls(r=get("r"), target_modules=targets, lora_alpha=get("lora_alpha"), lora_dropout=float(dropout),
+                   layers_to_transform=layers, layers_pattern=pattern,
+                   exclude_modules=_names(get("exclude_modules"), "exclude_modules") or None)
+
+    def layer_targets(self, spec: ModelSpec) -> tuple[tuple[str, ...], ...]:
+        """Per decoder layer, the short names of its linear layers that get adapters (in
+        ``LORA_TARGETS`` order); a ``PlanError`` naming the targets when they match no linear layer
+        or the embedding / lm_head (which rlkit does not adapt)."""
+        return _layer_targets(spec, self)
+
+    def tensors(self, spec: ModelSpec, targets: tuple[str, ...]) -> tuple[tuple[str, int, int, int | None], ...]:
+        """The adapter tensors of one decoder layer whose ``targets`` are adapted, as
+        ``rlkit.plan.sharding`` lists tensors ``(name, dim0, dim1, tp_dim)``: ``lora_A`` (r, in) and
+        ``lora_B`` (out, r) per target. Under TP an adapter splits with its base layer: a column-parallel
+        base (q/k/v/gate/up) gets ``lora_B`` split on its rows and ``lora_A`` replicated, a row-parallel
+        one (o/down) ``lora_A`` split on its columns and ``lora_B`` replicated.
+
+        >>> LoraSpec.coerce(8).tensors(as_spec("llama-2-7b"), ("q_proj", "o_proj"))
+        (('q_proj.lora_A', 8, 4096, None), ('q_proj.lora_B', 4096, 8, 0), ('o_proj.lora_A', 8, 4096, 1), ('o_proj.lora_B', 4096, 8, None))
+        """
+        return _adapter_tensors(spec, targets, self.r)
+
+    def params(self, spec: ModelSpec) -> int:
+        """Adapter parameters of the whole model: ``r x (in + out)`` per adapted linear layer."""
+        return sum(d0 * d1 for targets in self.layer_targets(spec)
+                   for _name, d0, d1, _td in self.tensors(spec, targets))
+
+
+def _check_rank(r: Any) -> None:
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise PlanError(f"LoRA r={r!r} must be a positive int (the adapters' rank, e.g. 8, 16 or 64)")
+
+
+def _names(value: Any, field: str) -> tuple[str, ...] | str | None:
+    if value is None or isinstance(value, str):
+        return value
+    try:
+        names = tuple(sorted(value, key=lambda n: (LORA_TARGETS.index(n) if n in LORA_TARGETS else 99, n)))
+    except TypeError:
+        raise PlanError(f"LoRA {field}={value!r} must be a list of module names or a regex string") from None
+    if not all(isinstance(n, str) for n in names):
+        raise PlanError(f"LoRA {field}={value!r} must be a list of module names or a regex string")
+    return names
+
+
+def _show(names: tuple[str, ...] | str) -> str:
+    return repr(names if isinstance(names, str) else list(names))
+
+
+def _matches(names: tuple[str, ...] | str, key: str) -> bool:
+    """peft's ``check_target_module_exists`` for one module name ``key``."""
+    if isinstance(names, str):
+        return re.fullmatch(names, key) is not None
+    return key in names or any(key.endswith("." + n) for n in names)
+
+
+def _layer_index(lo: LoraSpec, key: str) -> int | None:
+    patterns = lo.layers_pattern or ("",)
+    for pattern in patterns:
+        m = re.match(rf"(?:^|.*?\.){re.escape(pattern)}\.(?P<idx>\d+)\." if pattern else r".*?\.[^.]*\.(?P<idx>\d+)\.",
+                     key)
+        if m is not None:
+            return int(m["idx"])
+    return None
+
+
+@lru_cache(maxsize=256)
+def _layer_targets(spec: ModelSpec, lo: LoraSpec) -> tuple[tuple[str, ...], ...]:
+    linears = list(LORA_TARGETS)
+    targets = lo.target_modules
+    outside = []
+    if targets != "all-linear":
+        outside = [key for key in ("model.embed_tokens", "lm_head") if _matches(targets, key)
+                   and not (lo.exclude_modules and _matches(lo.exclude_modules, key))]
+    if outside:
+        raise PlanError(f"LoRA target_modules={_show(targets)} targets {outside}: LoRA on the embedding or lm_head is "
+                        f"not supported (they are vocab-sharded under TP); target the decoder layers' {linears}")
+    out = []
+    for i in range(spec.num_layers):
+        hit = []
+        for name in linears:
+            key = f"model.layers.{i}.{_LINEAR_PARENT[name]}.{name}"
+            if lo.exclude_modules and _matches(lo.exclude_modules, key):
+                continue
+            # peft's check_target_module_exists: layers_to_transform filters only the suffix matches of
+            # a list (not a regex, not "all-linear", which peft turns into exact names)
+            if (targets == "all-linear" or isinstance(targets, str) and re.fullmatch(targets, key)
+                    or not isinstance(targets, str) and key in targets):
+                hit.append(name)
+            elif (not isinstance(targets, str) and any(key.endswith("." + n) for n in targets)
+                  and (lo.layers_to_transform is None or _layer_index(lo, key) in lo.layers_to_transform)):
+                hit.append(name)
+        out.append(tuple(hit))
+    if not any(out):
+        where = f" in layers {list(lo.layers_to_transform)}" if lo.layers_to_transform is not None else ""
+        raise PlanError(f"LoRA target_modules={_show(targets)}{where} matches no linear layer of {spec.name} "
+                        f"({spec.num_layers} layers); its decoder layers' linear layers are {sorted(linears)}")
+    return tuple(out)
+
+
+@lru_cache(maxsize=256)
+def _adapter_tensors(spec: ModelSpec, targets: tuple[str, ...], r: int) -> tuple[tuple[str, int, int, int | None], ...]:
+    from rlkit.plan.sharding import layer_tensors
+
+    out = []
+    for name, d0, d1, tp_dim in layer_tensors(spec):
+        if name in targets:  # a weight (out, in); biases are "<name>.bias"
+            out += [(f"{name}.lora_A", r, d1, 1 if tp_dim == 1 else None),
+                    (f"{name}.lora_B", d0, r, 0 if tp_dim == 0 else None)]
+    return tuple(out)
+
+
+def lora_params(model: Any, lora: Any) -> int:
+    """Trainable adapter parameters of ``model`` (anything ``as_spec`` takes) under ``lora`` (a peft
+    ``LoraConfig``, an int rank, a dict or a :class:`LoraSpec`): ``r x (in_features + out_features)``
+    for each adapted linear layer (``lora_A`` is r x in, ``lora_B`` out x r), as peft builds them.
+
+    Adapter size against the model's (rank 16 on all seven projections of Qwen2.5-7B):
+
+    >>> n = lora_params("qwen2.5-7b", 16)
+    >>> n, f"{n / as_spec('qwen2.5-7b').num_params:.2%}"
+    (40370176, '0.53%')
+    >>> lora_params("llama-2-7b", {"r": 8, "target_modules": ["q_proj", "v_proj"]})
+    4194304
+    >>> lora_params("llama-2-7b", 0)
+    Traceback (most recent call last):
+    ...
+    rlkit.errors.PlanError: LoRA r=0 must be a positive int (the adapters' rank, e.g. 8, 16 or 64)
+    """
+    lo = LoraSpec.coerce(lora)
+    if lo is None:
+        raise PlanError("lora=None has no adapters; pass a LoraConfig or an int rank (e.g. lora=16)")
+    return lo.params(as_spec(model))
