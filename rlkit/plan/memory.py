@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlkit.errors import PlanError
 from rlkit.plan.sharding import (
+    Shard,
     chunk_len,
     layer_tensors,
     rank_shard,
@@ -23,6 +24,7 @@ from rlkit.plan.sharding import (
     root_tensors,
     uneven_splits,
 )
+from rlkit.plan.spec import LORA_TARGETS, LoraSpec
 from rlkit.plan.topology import ranges_str
 from rlkit.plan.units import (
     OPTIMIZERS,
@@ -155,7 +157,7 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
                     rollout: Any = None, device_memory: Any = None, sequence_parallel: bool = False,
                     flash_attention: bool = True, vocab_parallel: bool = True,
                     gathered_logits: bool = False, logits_copies: int = 2, token_budget: int | None = None,
-                    _peak_only: bool = False) -> pd.DataFrame:
+                    lora: Any = None, _peak_only: bool = False) -> pd.DataFrame:
     """Bytes each rank of ``plan`` holds to train ``model``: one row per rank.
 
     **Defaults describe a GPU training stack**: bf16-mixed AdamW, SDPA/flash attention (no s^2
@@ -163,7 +165,7 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     HF models with eager attention: pass ``flash_attention=False`` to compare with it.
 
     Columns (ints, bytes unless said): ``rank, dp, tp, pp, layers`` (decoder layers on the rank),
-    ``param_tensors`` (parameter tensors of the trained roles), ``weights, grads, optimizer,
+    ``param_tensors`` (trained parameter tensors of the trained roles), ``weights, grads, optimizer,
     param_buffers, activations, logits, kv_cache, rollout_weights, total``; with ``device_memory``
     also ``fits`` (bool). ``df.attrs`` holds the settings (and ``device_memory``).
 
@@ -290,6 +292,43 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     yet zeroed), padding included as described above. AdamW's 0-dim ``step`` tensors (4 bytes per
     parameter tensor, ``param_tensors`` of them) are *not* in ``optimizer``. Compare with
     :func:`compare_memory`.
+
+    **LoRA** (``lora``: a peft ``LoraConfig``, read by its attributes ``r``, ``target_modules``...; an int
+    ``r``, rlkit's shorthand for the seven projections q/k/v/o/gate/up/down; or a
+    :class:`~rlkit.plan.spec.LoraSpec`), as ``rlkit.parallel`` trains it (peft adapters injected before
+    the split; ``ParallelModel(..., lora=...)``): each adapted linear layer (in -> out) gets ``lora_A``
+    (r x in) and ``lora_B`` (out x r) in the parameter dtype, split under TP like its base (column-parallel
+    q/k/v/gate/up: ``lora_B`` Shard(0), ``lora_A`` replicated; row-parallel o/down: ``lora_A`` Shard(1),
+    ``lora_B`` replicated), sharded by FSDP2 as every other parameter (padding included), on its decoder
+    layer's pipeline stage. The base stays, frozen. So for the actor: ``weights`` = base + adapters,
+    ``grads`` and ``optimizer`` = the adapters only (the base has no gradient and no AdamW state) and
+    ``param_tensors`` counts the adapter tensors (AdamW's ``step`` tensors). ``param_buffers``: the
+    all-gathered compute copies are of base + adapters (FSDP2 gathers frozen parameters too), the gradient
+    buffers and the unsharded gradients of accumulation are the adapters'. ``activations`` add, per
+    adapted linear layer of each layer, the r-wide intermediate ``lora_A(x)`` that ``lora_B`` saves:
+    ``micro_batch x seq_len x r x compute bytes`` (4 in fp32), not split by TP (``lora_A``'s output is
+    whole on every TP rank); with ``lora_dropout > 0`` also the dropped copy of the layer's input that
+    ``lora_A`` saves and its 1-byte mask (``micro_batch x seq_len x in_features x (compute bytes + 1)``;
+    rlkit allows dropout only with tp=1). Not counted: the input ``x`` that ``lora_A`` saves is the tensor
+    the base layer saves anyway (with a frozen base only LoRA keeps it: the same storage), and the
+    adapter's output and ``scaling`` products are not saved. Under ``recompute="full"`` only the
+    recomputed layer's intermediates are held. The critic trains its full weights (LoRA is the actor's),
+    and a ``"reference"`` next to the actor is the same model with its adapters switched off: it adds no
+    weights. With the 3D-HybridEngine the generation layout reads merged weights ``W + s B A``: a new
+    tensor per adapted weight on top of the generation shard (``rollout_weights``; the adapters it
+    gathers on the way, small and dropped after the merge, are not counted). ``df.attrs`` records
+    ``lora`` (the LoraSpec), ``lora_params`` (adapter parameters of the whole model,
+    :func:`~rlkit.plan.spec.lora_params`) and ``lora_targets`` (the adapted layers' short names).
+
+    >>> full = estimate_memory(ParallelPlan(dp=8), "llama-3-8b", precision="fp32")
+    >>> adapted = estimate_memory(ParallelPlan(dp=8), "llama-3-8b", precision="fp32", lora=16)
+    >>> from rlkit.plan.spec import lora_params
+    >>> int(adapted.grads[0]) == 4 * lora_params("llama-3-8b", 16) // 8     # fp32 grads of the adapters
+    True
+    >>> int(adapted.weights[0] - full.weights[0]) == int(adapted.grads[0])  # base + adapters
+    True
+    >>> adapted.attrs["lora_targets"]
+    ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
     """
     spec, s, b = check_common(plan, model, seq_len, micro_batch, precision)
     if token_budget is not None:
@@ -304,6 +343,17 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
         raise PlanError(f"roles={roles!r}: each must be one of {list(ROLES)}, once; e.g. roles=('actor', 'reference')")
     ro = RolloutMemory.coerce(rollout)
     mem = parse_bytes(device_memory) if device_memory is not None else None
+    lo = LoraSpec.coerce(lora)
+    lora_layers: tuple[tuple[str, ...], ...] = ()
+    if lo is not None:
+        if "actor" not in roles:
+            raise PlanError(f"lora={lora!r} trains the actor's adapters, and roles={roles!r} has no 'actor' (a "
+                            f"critic trains its full weights); add 'actor' to roles or drop lora")
+        if lo.lora_dropout and plan.tp > 1:
+            raise PlanError(f"LoRA lora_dropout={lo.lora_dropout} with tp={plan.tp}: the TP ranks would draw "
+                            f"different dropout masks for the same replicated input (rlkit refuses it); use "
+                            f"lora_dropout=0.0 or tp=1")
+        lora_layers = lo.layer_targets(spec)  # validates the targets against the model
     if ro is not None:
         if plan.world_size % ro.tp:
             raise PlanError(f"rollout tp={ro.tp} does not divide world_size={plan.world_size}; choose a "
@@ -334,6 +384,36 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
                                             recompute)
     ckpt_layer = 2 * s * b * spec.hidden_size * prec["compute"] // 2 // (tp if sequence_parallel else 1)
 
+    # LoRA: per pipeline rank, how many of its layers carry each set of adapted linear layers, and the
+    # activation bytes the adapters add on it (all its layers; the largest one layer's)
+    lora_groups: list[dict[tuple[str, ...], int]] = [{} for _ in range(pp)]
+    lora_act = [0] * pp
+    lora_act_max = [0] * pp
+    if lo is not None:
+        in_features = {name: d1 for name, d0, d1, _ in layer_t}
+        for st, rng in enumerate(plan.stage_layers(spec.num_layers)):
+            p = st % pp
+            for i in rng:
+                targets = lora_layers[i]
+                if targets:
+                    lora_groups[p][targets] = lora_groups[p].get(targets, 0) + 1
+                # the r-wide lora_A(x) per adapted layer; with dropout the dropped input and its mask
+                act = s * b * (lo.r * len(targets) * prec["compute"]
+                               + (sum(in_features[n] for n in targets) * (prec["compute"] + 1) if lo.lora_dropout else 0))
+                lora_act[p] += act
+                lora_act_max[p] = max(lora_act_max[p], act)
+
+    def adapter_shard(p: int, t: int, j: int) -> tuple[Shard, int]:
+        """What rank (p, t, j) holds of its stage's adapters, and one layer's TP-local adapters (the largest)."""
+        out, one = Shard(), 0
+        for targets, count in lora_groups[p].items():
+            tensors = lo.tensors(spec, targets)
+            sh = rank_shard(tensors, count, tp, t, S, j)
+            out.padded, out.actual, out.local = out.padded + sh.padded, out.actual + sh.actual, out.local + sh.local
+            out.tensors += sh.tensors
+            one = max(one, rank_shard(tensors, 1, tp, t, S, j).local)
+        return out, one
+
     def role_bytes(role: str, p: int, t: int, j: int) -> dict[str, int]:
         root_t = root_tensors(spec, pp, tp, p, role, vocab_parallel)
         L = layers_per_rank[p]
@@ -344,33 +424,44 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
         out = dict(weights=0, grads=0, optimizer=0, param_buffers=0, activations=0, logits=0, tensors=0)
         cb = prec["compute"]
         if role == "reference":
-            out["weights"] = padded * cb
+            # with LoRA the reference is the actor's model with its adapters off: no weights of its own
+            out["weights"] = 0 if lo is not None else padded * cb
             out["param_buffers"] = (root.local + min(2, L) * one_layer.local) * cb if plan.dp_shard != "replicate" else 0
         else:
-            out["weights"] = padded * prec["param"]
-            out["grads"] = padded * prec["grad"]
-            out["optimizer"] = n_states * actual * prec["state"]
-            out["tensors"] = lay.tensors + root.tensors
-            grad_buf = one_layer.local * (cb + prec["grad"])
+            # what trains (grads, optimizer state) and what is stored: everything, or with LoRA (the
+            # actor's) the adapters, next to the frozen base
+            trained, trained_one = Shard(padded, actual, local, lay.tensors + root.tensors), one_layer.local
+            stored_padded, stored_local, stored_one = padded, local, one_layer.local
+            lora_act_all = lora_act_one = 0
+            if lo is not None and role == "actor":
+                trained, trained_one = adapter_shard(p, t, j)
+                stored_padded, stored_local, stored_one = (padded + trained.padded, local + trained.local,
+                                                           one_layer.local + trained_one)
+                lora_act_all, lora_act_one = lora_act[p], lora_act_max[p]
+            out["weights"] = stored_padded * prec["param"]
+            out["grads"] = trained.padded * prec["grad"]
+            out["optimizer"] = n_states * trained.actual * prec["state"]
+            out["tensors"] = trained.tensors
+            grad_buf = trained_one * (cb + prec["grad"])
             # no grad sync until the last micro-batch: grads accumulate unsharded (beyond the
             # sharded grads counted in ``grads``)
-            accum = (local - padded) * prec["grad"] if plan.n_micro_batches > 1 else 0
+            accum = (trained.local - trained.padded) * prec["grad"] if plan.n_micro_batches > 1 else 0
             if pp > 1:
                 # torch.distributed.pipelining also skips the reshard after backward: the stage's
                 # params stay unsharded through the step
                 copy = cb != prec["param"] or plan.dp_shard != "replicate"
-                out["param_buffers"] = local * cb * copy + accum
+                out["param_buffers"] = stored_local * cb * copy + accum
             elif plan.dp_shard == "replicate":
-                out["param_buffers"] = local * cb if cb != prec["param"] else 0
+                out["param_buffers"] = stored_local * cb if cb != prec["param"] else 0
             elif plan.dp_shard == "shard_grad_op":
-                out["param_buffers"] = local * cb + grad_buf + accum
+                out["param_buffers"] = stored_local * cb + grad_buf + accum
             else:
-                out["param_buffers"] = (root.local + min(2, L) * one_layer.local) * cb + grad_buf + accum
+                out["param_buffers"] = (root.local + min(2, L) * stored_one) * cb + grad_buf + accum
             chunks = _in_flight(plan, p)
             if recompute == "full":
-                out["activations"] = chunks * L * ckpt_layer // plan.vpp + (per_layer_act if L else 0)
+                out["activations"] = chunks * L * ckpt_layer // plan.vpp + ((per_layer_act + lora_act_one) if L else 0)
             else:
-                out["activations"] = chunks * L * per_layer_act // plan.vpp
+                out["activations"] = chunks * (L * per_layer_act + lora_act_all) // plan.vpp
         if role != "critic" and p == pp - 1:
             split = vocab_parallel and not gathered_logits
             vocab_local = chunk_len(spec.vocab_size, tp, t) if split else spec.vocab_size
@@ -388,6 +479,13 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
         if ro.hybrid_engine and S == 1 and wb == prec["param"] and "actor" in roles:
             # the actor's training shard sits inside the generation shard: only the rest is new
             weights -= reused_by_generation(spec, plan, ro.tp, p, t) * wb
+        if ro.hybrid_engine and lo is not None:
+            # LoRA: each adapted weight's generation shard is merged, W + s B A, into a new tensor
+            adapted: dict[tuple[str, ...], int] = {}
+            for targets in lora_layers:
+                adapted[targets] = adapted.get(targets, 0) + 1
+            weights += sum(rank_shard(tuple(x for x in layer_t if x[0] in targets), n, ro.tp, rt, 1, 0).local
+                           for targets, n in adapted.items() if targets) * wb
         kvb = dtype_bytes(ro.kv_dtype or ro.dtype, "rollout kv_dtype")
         kvh = spec.num_key_value_heads
         per_tok = (spec.kv_bytes_per_token(kvb, ro.tp) if kvh % ro.tp == 0
@@ -402,6 +500,7 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     # FSDP split is uneven, and by rollout-tp index where the rollout split is uneven
     all_t = layer_t + [x for p in {0, pp - 1} for r in roles
                        for x in root_tensors(spec, pp, tp, p, r, vocab_parallel)]
+    all_t += [x for groups in lora_groups for targets in groups for x in lo.tensors(spec, targets)]
     tp_uneven, fs_uneven = uneven_splits(all_t, tp, S)
     ro_uneven = ro is not None and uneven_splits(all_t, ro.tp, 1)[0]
 
@@ -433,13 +532,15 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
         # flight), the ends add embedding / lm_head / logits: so the first rank of each layer count and
         # the two ends are the only candidates
         first_of: dict[int, int] = {}
+        # (LoRA on some layers only, layers_to_transform: ranks with as many layers hold different adapters)
+        pp_lora = set(range(pp)) if len(set(lora_layers)) > 1 else set()
         for p, n in enumerate(layers_per_rank):
             first_of.setdefault(n, p)
         # (with the hybrid engine a rank's rollout weights grow as its training shard shrinks: with an
         # uneven TP split every tp index is a candidate)
         ts = range(tp) if ro is not None and ro.hybrid_engine and tp_uneven else (0,)
         keys = [(p, t, 0, t // layout.k if ro_uneven and layout is not None else 0)
-                for p in sorted({0, pp - 1, *first_of.values()}) for t in ts]
+                for p in sorted({0, pp - 1, *first_of.values()} | pp_lora) for t in ts]
         best = max(keys, key=lambda key: rank_bytes(*key)["total"])
         peak = rank_bytes(*best)["total"]
         return {"peak": peak, "stage": best[0], "fits": None if mem is None else peak <= mem}
@@ -463,7 +564,10 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
                     activation_checkpointing=recompute == "full",
                     rollout=ro, sequence_parallel=sequence_parallel, flash_attention=flash_attention,
                     vocab_parallel=vocab_parallel, gathered_logits=gathered_logits,
-                    logits_copies=logits_copies)
+                    logits_copies=logits_copies, lora=lo,
+                    lora_params=None if lo is None else lo.params(spec),
+                    lora_targets=None if lo is None else tuple(n for n in LORA_TARGETS
+                                                               if any(n in x for x in lora_layers)))
     return df
 
 

@@ -421,10 +421,12 @@ class ParallelPlan:
 
 
     # ---- cost models (delegates) -------------------------------------------------------------
-    def memory(self, model: Any, *, token_budget: int | None = None, **kw: Any) -> pd.DataFrame:
+    def memory(self, model: Any, *, token_budget: int | None = None, lora: Any = None, **kw: Any) -> pd.DataFrame:
         """Bytes per rank to train ``model`` on this plan (see ``rlkit.plan.memory.estimate_memory``).
         ``token_budget``: padding-free micro-batches of up to that many tokens, rows of ``seq_len``
-        (the longest sequence), instead of ``micro_batch`` sequences.
+        (the longest sequence), instead of ``micro_batch`` sequences. ``lora``: train LoRA adapters
+        (a peft ``LoraConfig`` or an int rank) on the frozen model: grads and optimizer state of the
+        adapters only.
 
         >>> df = ParallelPlan(dp=8).memory("llama-2-7b", precision="bf16-mixed")
         >>> int((df.weights + df.grads + df.optimizer)[0]) == 16 * 6_738_415_616 // 8
@@ -432,10 +434,13 @@ class ParallelPlan:
         >>> packed = ParallelPlan().memory("llama-2-7b", seq_len=1024, token_budget=4096)
         >>> int(packed.activations[0]) == int(ParallelPlan().memory("llama-2-7b", seq_len=4096).activations[0])
         True
+        >>> lora = ParallelPlan(dp=8).memory("llama-2-7b", precision="bf16-mixed", lora=16)
+        >>> int(lora.optimizer[0]) < int(df.optimizer[0]) // 100      # AdamW state of the adapters only
+        True
         """
         from rlkit.plan.memory import estimate_memory
 
-        return estimate_memory(self, model, token_budget=token_budget, **kw)
+        return estimate_memory(self, model, token_budget=token_budget, lora=lora, **kw)
 
     def communication(self, model: Any, **kw: Any) -> pd.DataFrame:
         """Collectives per step of one rank (see ``rlkit.plan.comm.estimate_communication``).
