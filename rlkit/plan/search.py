@@ -89,7 +89,7 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
                  recompute: str | tuple[str, ...] | None = None, activation_checkpointing: bool | None = None,
                  sequence_parallel: bool | None = None, variants: str = "best", gpu: str | dict = "H100",
                  network: str = "nvlink+ib", mfu: float | None = None, roles: tuple[str, ...] = ("actor",),
-                 flash_attention: bool = True, token_budget: int | None = None) -> pd.DataFrame:
+                 flash_attention: bool = True, token_budget: int | None = None, lora: Any = None) -> pd.DataFrame:
     """Every DP x TP x PP plan of ``model`` on ``gpus`` GPUs, ranked best first.
 
     Args:
@@ -117,6 +117,11 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
         flash_attention, precision, optimizer, roles: for the memory estimate
             (``rlkit.plan.memory.estimate_memory``). The defaults are those of every cost model here:
             a GPU training stack (bf16-mixed AdamW, flash/SDPA attention).
+        lora: train LoRA adapters on the frozen model (a peft ``LoraConfig`` or an int rank; see
+            ``estimate_memory``): the memory column counts grads and optimizer state of the adapters only.
+            The throughput estimate stays that of full fine-tuning (LoRA skips the base's weight
+            gradients and reduces only the adapters' gradients, so it is a little pessimistic). With
+            ``lora_dropout > 0`` plans with tp > 1 are invalid (rlkit refuses them).
 
     Returns one row per candidate: ``dp, tp, pp, vpp, dp_shard, dp_shard_size, micro_batches,
     schedule, recompute, sequence_parallel, valid, memory_gib`` (max over ranks), ``fits,
@@ -134,16 +139,26 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
     >>> top = packed.iloc[0]
     >>> bool(top.micro_batches == max(top.pp, 64 // top.dp // 4)), bool(top.fits)
     (True, True)
+
+    LoRA holds much less per GPU than full fine-tuning, so more layouts fit:
+
+    >>> full = search_plans("qwen2.5-7b", gpus=4, gpu_memory="40GB", seq_len=4096, include_vpp=False)
+    >>> lora = search_plans("qwen2.5-7b", gpus=4, gpu_memory="40GB", seq_len=4096, include_vpp=False, lora=16)
+    >>> int(lora.fits.sum()) > int(full.fits.sum()), lora.attrs["lora"].r
+    (True, 16)
     """
     import pandas as pd
 
     from rlkit.plan.memory import budget_rows, peak_memory
-    from rlkit.plan.spec import as_spec
+    from rlkit.plan.spec import LoraSpec, as_spec
     from rlkit.plan.throughput import estimate_throughput, gpu_info, network_info
     from rlkit.plan.topology import SHARDING, ParallelPlan
     from rlkit.plan.units import parse_bytes
 
     spec = as_spec(model)
+    lo = LoraSpec.coerce(lora)
+    if lo is not None:
+        lo.layer_targets(spec)  # fail early on targets that match nothing
     for name, value in (("gpus", gpus), ("gpus_per_node", gpus_per_node), ("micro_batch", micro_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanError(f"{name}={value!r} must be a positive integer")
@@ -165,7 +180,7 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
     memory_cache: dict[tuple, int] = {}
     spans_cache: dict[tuple[int, int, int], bool] = {}
     mem_kw = dict(seq_len=seq_len, micro_batch=micro_batch, precision=precision, optimizer=optimizer, roles=roles,
-                  flash_attention=flash_attention, token_budget=token_budget)
+                  flash_attention=flash_attention, token_budget=token_budget, lora=lo)
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
@@ -190,6 +205,10 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
                     ParallelPlan(dp=dp, tp=tp, pp=pp, vpp=vpp, micro_batches=options[0]).validate(model=spec)
                 except PlanError as e:
                     rows.append({**base, "why_not": str(e)})
+                    continue
+                if lo is not None and lo.lora_dropout and tp > 1:
+                    rows.append({**base, "why_not": f"LoRA lora_dropout={lo.lora_dropout} needs tp=1 (TP ranks "
+                                                    f"would draw different dropout masks)"})
                     continue
                 settings = _variants(recompute, activation_checkpointing, sequence_parallel, tp)
                 for shard, size in _shardings(dp, tp, per_node, wanted):
@@ -247,7 +266,8 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
     df = df.drop(columns=["_group", "_speed"])[columns].reset_index(drop=True)
     df.attrs.update(searched_all_recompute="full" in [m for m, _ in _variants(recompute, activation_checkpointing,
                                                                             sequence_parallel, 2)],
-                    flash_attention=flash_attention, precision=precision, optimizer=optimizer, roles=roles)
+                    flash_attention=flash_attention, precision=precision, optimizer=optimizer, roles=roles,
+                    lora=lo)
     df.attrs.update(model=spec.name, gpus=gpus, gpus_per_node=gpus_per_node, gpu_memory=mem, seq_len=seq_len,
                     global_batch=global_batch, micro_batch=micro_batch, gpu=gpu, network=network,
                     variants=variants, token_budget=token_budget)
@@ -311,9 +331,24 @@ def _state_bytes_per_param(precision: str, optimizer: str) -> int:
     return p["param"] + p["grad"] + OPTIMIZERS[optimizer] * p["state"]
 
 
+def _state(spec: Any, precision: str, optimizer: str, lora: Any = None) -> tuple[int, str]:
+    """The whole model's training state in bytes (weights + grads + optimizer states), and in words.
+    With LoRA the base is frozen: its weights only, and the adapters' full state."""
+    b = _state_bytes_per_param(precision, optimizer)
+    if lora is None:
+        return spec.num_params * b, f"{b} bytes/param with {precision} {optimizer}, most of it {optimizer} state"
+    from rlkit.plan.spec import LoraSpec
+    from rlkit.plan.units import PRECISIONS
+
+    n, w = LoraSpec.coerce(lora).params(spec), PRECISIONS[precision]["param"]
+    return (spec.num_params * w + n * b,
+            f"LoRA: the frozen weights at {w} bytes/param and the {n / 1e6:.1f}M adapter params at {b} "
+            f"with {precision} {optimizer}")
+
+
 def _no_fit_error(spec: Any, df: pd.DataFrame, gpus: int, per_bytes: int, precision: str, optimizer: str) -> PlanError:
     valid = df[df["valid"]]
-    state = spec.num_params * _state_bytes_per_param(precision, optimizer)
+    state, words = _state(spec, precision, optimizer, df.attrs.get("lora"))
     need = -(-state // per_bytes)
     if len(valid):
         small = valid.sort_values("memory_gib").iloc[0]
@@ -323,7 +358,7 @@ def _no_fit_error(spec: Any, df: pd.DataFrame, gpus: int, per_bytes: int, precis
     return PlanError(
         f"no plan of {spec.name} ({spec.num_params / 1e9:.1f}B params) fits on {gpus} GPUs with "
         f"{per_bytes / GIB:.1f} GiB each: {best}. Its training state alone is {state / GIB:.0f} GiB "
-        f"({_state_bytes_per_param(precision, optimizer)} bytes/param with {precision} {optimizer}), so at least "
+        f"({words}), so at least "
         f"{need} GPUs before activations; add GPUs, use larger-memory GPUs, or lower seq_len / micro_batch"
         + ("" if df.attrs.get("searched_all_recompute") else ", or let the search try recompute='full'"))
 
@@ -420,7 +455,8 @@ def _why_shape(spec: Any, df: pd.DataFrame, pick: Any, plan: Any, gib: float, ne
     """The selection guide, applied to this pick, citing the numbers that decided it."""
     out = []
     pure = df[df["valid"] & (df["tp"] == 1) & (df["pp"] == 1)].sort_values("memory_gib")
-    state_gib = spec.num_params * _state_bytes_per_param(precision, optimizer) / GIB
+    state, words = _state(spec, precision, optimizer, df.attrs.get("lora"))
+    state_gib = state / GIB
     if plan.tp == 1 and plan.pp == 1:
         out.append(f"The model fits with data parallelism alone ({pick['memory_gib']:.1f} GiB per GPU), so "
                    f"pure DP: one gradient reduction per step, no per-layer collectives, no pipeline bubble.")
@@ -449,7 +485,7 @@ def _why_shape(spec: Any, df: pd.DataFrame, pick: Any, plan: Any, gib: float, ne
         bare = peak_memory(plan, spec, seq_len=df.attrs["seq_len"], micro_batch=df.attrs["micro_batch"],
                            precision=precision, optimizer=optimizer, roles=df.attrs.get("roles", ("actor",)),
                            flash_attention=df.attrs.get("flash_attention", True),
-                           token_budget=df.attrs.get("token_budget"))["peak"] / GIB
+                           token_budget=df.attrs.get("token_budget"), lora=df.attrs.get("lora"))["peak"] / GIB
         what = []
         if pick["sequence_parallel"]:
             what.append("sequence parallelism (norm and dropout activations split over TP, same TP bytes)")
@@ -470,15 +506,15 @@ def _why_shape(spec: Any, df: pd.DataFrame, pick: Any, plan: Any, gib: float, ne
                               seq_len=df.attrs["seq_len"], micro_batch=df.attrs["micro_batch"], precision=precision,
                               optimizer=optimizer, roles=df.attrs.get("roles", ("actor",)),
                               flash_attention=df.attrs.get("flash_attention", True),
-                              token_budget=df.attrs.get("token_budget"), recompute=pick.get("recompute", "none"),
+                              token_budget=df.attrs.get("token_budget"), lora=df.attrs.get("lora"),
+                              recompute=pick.get("recompute", "none"),
                               sequence_parallel=bool(pick.get("sequence_parallel", False)))["peak"] / GIB
             rep_txt = f"; replicated (DDP) it would take {rep:.1f} GiB per GPU"
             rep_txt += "" if rep <= gib else f", over the {gib:.1f} GiB"
         if plan.dp_shard != "replicate":
             zero = "ZeRO-2" if plan.dp_shard == "shard_grad_op" else "ZeRO-3/FSDP"
             out.append(f"DP={plan.dp} with {plan.dp_shard} ({zero}): the training state is {state_gib:.1f} GiB "
-                       f"in all ({_state_bytes_per_param(precision, optimizer)} bytes/param, most of it "
-                       f"{optimizer} state), sharded over {plan.dp_shard_degree} ranks: {pick['memory_gib']:.1f} "
+                       f"in all ({words}), sharded over {plan.dp_shard_degree} ranks: {pick['memory_gib']:.1f} "
                        f"GiB per GPU{rep_txt}.")
         else:
             out.append(f"DP={plan.dp} replicates the model (DDP): the state fits ({pick['memory_gib']:.1f} GiB per "
