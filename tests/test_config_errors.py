@@ -54,6 +54,8 @@ TRAINER_CONFIG_BAD = {
     "padding_free": [("yes", "padding_free='yes' must be True or False")],
     "micro_batch_tokens": [(0, "micro_batch_tokens=0 must be a positive integer or None"),
                            ("4k", "micro_batch_tokens='4k' must be a positive integer or None; tokens per micro-batch")],
+    "lora": [(0, "LoRA r=0 must be a positive int"), ("big", "lora='big' must be a peft LoraConfig"),
+             (True, "lora=True must be a peft LoraConfig")],
     "gamma": [(1.5, "gamma=1.5 must be a finite number >= 0 and <= 1")],
     "lam": [(-0.1, "lam=-0.1 must be a finite number >= 0 and <= 1")],
     "critic_lr": [(0, "critic_lr=0 must be a finite number > 0")],
@@ -339,3 +341,39 @@ def test_plan_flag(field, value, expect, capsys):
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err and expect in err, err
+
+
+# ---- LoRA against the model and plan: in the driver, naming the value and the fix ----------------------------
+def _lora_cases():
+    from peft import LoraConfig
+
+    return [
+        (dict(lora=LoraConfig(r=8, target_modules=["qkv_proj"])), "matches no linear layer of this model; its decoder "
+         "layers' linear layers are ['down_proj', 'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj']"),
+        (dict(lora=LoraConfig(r=8, target_modules=["q_proj", "lm_head"])), "LoRA on the embedding or lm_head is not "
+         "supported"),
+        (dict(lora=LoraConfig(r=8, target_modules=["q_proj"], use_dora=True)), "LoraConfig(use_dora=True) is not "
+         "supported"),
+        (dict(lora=LoraConfig(r=8, target_modules=["q_proj"], lora_dropout=0.1), plan=rlkit.ParallelPlan(tp=2)),
+         "lora_dropout=0.1) with tp=2"),
+        (dict(lora=LoraConfig(r=-2, target_modules=["q_proj"])), "r=-2 must be a positive int"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_lora_errors_fail_before_any_worker(case, model, no_workers_start):
+    kw, expect = _lora_cases()[case]
+    with pytest.raises(TrainerError) as e:
+        Trainer(model=model, dataset=rlkit.tasks.repeat, **kw)
+    assert expect in str(e.value), str(e.value)
+
+
+def test_lora_from_a_peft_adapter_folder_is_refused(tmp_path, model, no_workers_start):
+    import shutil
+
+    folder = tmp_path / "adapter_and_base"
+    shutil.copytree(model, folder)
+    (folder / "adapter_config.json").write_text("{}")
+    with pytest.raises(TrainerError, match="is a peft adapter folder; LoRA training starts from a full model. "
+                                           "Merge it first"):
+        Trainer(model=str(folder), dataset=rlkit.tasks.repeat, lora=8)

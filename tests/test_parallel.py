@@ -283,7 +283,7 @@ def test_lora_matches_peft_single_process(tmp_path, tiny_paths, name):
     assert rep["adapter_bytes"] > 0
     for row in rep["memory"]:  # only the adapters have gradients and AdamW state (two fp32 moments each)
         assert row["optimizer"] == 2 * row["grads"] > 0, row
-        assert row["grads"] * 10 < row["weights"], row
+        assert row["grads"] * 5 < row["weights"], row  # r=4 adapters of a 64-wide model: ~10% of it
 
 
 def test_packed_rows_hold_several_sequences_and_less_padding():

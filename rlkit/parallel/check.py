@@ -365,14 +365,11 @@ def compare_with_estimate(measured, plan: ParallelPlan, config, seq_len: int, mi
         from rlkit.plan.memory import compare_memory, estimate_memory
     except ImportError:
         return None
-    import inspect  # TEMP until the planner takes lora
-    if lora is not None and "lora" not in inspect.signature(estimate_memory).parameters:
-        return None
     est = estimate_memory(plan, config, seq_len=seq_len, micro_batch=micro_batch, precision="fp32",
                           optimizer="adamw", roles=("critic",) if head == "value" else ("actor",),
                           gathered_logits=True, activation_checkpointing=activation_checkpointing,
                           flash_attention=False,  # rlkit.parallel builds HF models with eager attention
-                          token_budget=token_budget, **({"lora": lora} if lora is not None else {}))
+                          token_budget=token_budget, lora=lora)
     est = est.assign(activations=est["activations"] + est["logits"])
     cols = ["rank", "weights", "grads", "optimizer", "activations"]
     return compare_memory(est[cols], measured[cols]).to_dict(orient="records")
