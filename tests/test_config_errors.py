@@ -286,6 +286,7 @@ TRAIN_FLAG_BAD = {
     "run_dir": [(A_FILE, "is a file; metrics go in a folder")],
     "address": [("nonsense", "address='nonsense' is not 'host:port', 'ray://host:port' or 'auto'")],
     "sft_steps": [("-1", "sft_steps=-1 must be an integer >= 0")],
+    "lora": [("0", "LoRA r=0 must be a positive int")],
 }
 
 
