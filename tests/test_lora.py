@@ -148,23 +148,28 @@ def test_lora_update_raises_the_advantaged_samples(tmp_path):
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("layout", ["dp2_engine_per_dp_group", "tp2_generation_layout_tp2"])
+@pytest.mark.parametrize("layout", ["dp2_engine_per_dp_group", "tp2_generation_layout_tp2", "split_placement"])
 def test_lora_engines_follow_the_adapters_on_ray(tmp_path, layout):
     """dp=2: an HF engine per DP group takes the adapters alone and merges them into its base (bytes in
     proportion to the adapter). tp=2 with Rollout(tp=2): the 3D-HybridEngine's layout, each rank merging its
-    own TP slice of the adapted layers."""
+    own TP slice of the adapted layers. Split placement: the adapters alone go through Ray's object store to
+    the rollout worker, which merges them."""
+    extra = {}
     if layout.startswith("dp2"):
         plan, rollout = rlkit.ParallelPlan(dp=2), rlkit.Rollout(engine="hf", n=4, max_new_tokens=12)
-    else:
+    elif layout.startswith("tp2"):
         plan, rollout = rlkit.ParallelPlan(tp=2), rlkit.Rollout(engine="hf", n=4, max_new_tokens=12, tp=2)
-    tr = _trainer(tmp_path, plan=plan, rollout=rollout)
+    else:
+        plan, rollout = rlkit.ParallelPlan(), rlkit.Rollout(engine="hf", n=4, max_new_tokens=12)
+        extra = dict(placement="split")
+    tr = _trainer(tmp_path, plan=plan, rollout=rollout, **extra)
     try:
         tr.update(tr.estimate(tr.generate()))
         tr.update(tr.estimate(tr.generate()))
         batch = tr.estimate(tr.generate())
         gap, _ = _engine_gap(tr, batch)
         assert gap <= TOL, gap
-        if layout.startswith("dp2"):
+        if not layout.startswith("tp2"):
             adapter_bytes = 4 * _adapter_params(__import__("transformers").AutoConfig.from_pretrained(tr.model_path), 8)
             engine_rows = [r for r in batch.sync if r.get("bytes")]
             assert engine_rows and all(r["bytes"] <= adapter_bytes for r in engine_rows), (batch.sync, adapter_bytes)
