@@ -8,6 +8,7 @@
     .venv/bin/python bench/bench_vs_trl.py --profile # one py-spy'd run of each side: where the time goes
     .venv/bin/python bench/bench_vs_trl.py --rows ray dp2 bf16   # + rlkit on a Ray worker, at dp=2; both sides in bf16
     .venv/bin/python bench/bench_vs_trl.py --base 7d02e3e        # + every rlkit run at another commit, interleaved
+    .venv/bin/python bench/bench_vs_trl.py --lora 8              # LoRA r=8: TRL + LoRA, rlkit + LoRA, rlkit full
 
 The work, per step: 2 prompts x 4 completions x up to 32 new tokens (temperature 1), reward = the share of
 completion tokens equal to the token "e", one optimizer step (lr 1e-3, constant, grad-norm clip 1.0), no
@@ -19,6 +20,18 @@ venv), so start-up counts from process start to the first step begun, and peak R
 and everything it started (for rlkit: Ray's daemons and workers). Runs are interleaved, round r
 rotating the order, and the table reports medians over rounds. steps/s and tokens/s are measured
 after the first 2 steps (wall clock, everything between steps included); tokens are completion tokens.
+
+``--lora R``: both sides train LoRA adapters instead of all weights, one peft ``LoraConfig`` (r=R,
+lora_alpha=2R, lora_dropout=0, q/k/v/o_proj; ``vs_trl_common.lora_config``): TRL through
+``GRPOTrainer(peft_config=...)``, rlkit through ``Trainer(lora=...)``; everything else is the same work. A
+round is then "TRL + LoRA r=R, HF generate", "rlkit + LoRA r=R, HF engine" and "rlkit full fine-tuning, HF
+engine" (the same work, all weights), interleaved as above (``--rows`` and ``--vllm`` runs train LoRA too).
+After the usual tables a LoRA table gives per run (medians over rounds) steps/s, the update's seconds per
+step (rlkit: the Trainer's ``timing/update``; TRL: the end of ``_prepare_inputs``, where it generates and
+scores, to the step's end), the sync's seconds and bytes per step (rlkit's ``timing/sync`` and
+``sync/bytes``, bytes gathered between ranks: 0 unless the weights are sharded, so 0 at dp=1 and with
+``--rows dp2``'s replicated weights; TRL with HF generate has no sync), peak RSS, and the ratios rlkit LoRA / TRL LoRA (steps/s) and rlkit LoRA / rlkit full
+(update s/step, peak RSS).
 """
 
 from __future__ import annotations
@@ -37,7 +50,24 @@ from vs_trl_common import BENCH, ROOT, model_folder, python_with, run_one  # noq
 
 
 def plan_runs(args: argparse.Namespace) -> list[dict]:
-    """The runs of one round: (label, command); vLLM runs only where a python with vLLM exists."""
+    """The runs of one round: (label, command); vLLM runs only where a python with vLLM exists. With
+    ``--lora R`` every run trains LoRA adapters, and one more run trains all weights (``full``)."""
+    runs = _plan_runs(args)
+    if not args.lora:
+        return runs
+    tag = f" + LoRA r={args.lora}"
+    for x in runs:
+        side, comma, rest = x["label"].partition(",")  # "rlkit, HF engine" -> "rlkit + LoRA r=8, HF engine"
+        x.update(label=f"{side}{tag}{comma}{rest}", cmd=[*x["cmd"], "--lora", str(args.lora)],
+                 key=f"{x.get('key', x['engine'])}-lora")
+    # the same work training all weights: what LoRA saves (update time, memory); never compared with TRL
+    full = dict(label="rlkit full fine-tuning, HF engine", side="rlkit", engine="hf", key="hf-full", full=True,
+                cmd=[args.rlkit_python, str(BENCH / "rlkit_worker.py"), "--engine", "hf"])
+    at = next(i for i, x in enumerate(runs) if x["side"] == "rlkit") + 1
+    return [*runs[:at], full, *runs[at:]]
+
+
+def _plan_runs(args: argparse.Namespace) -> list[dict]:
     runs = [dict(label="TRL, HF generate", side="trl", engine="hf",
                  cmd=[args.trl_python, str(BENCH / "trl_worker.py")]),
             dict(label="rlkit, HF engine", side="rlkit", engine="hf", key="hf",
@@ -131,14 +161,14 @@ def table(results: dict[str, list[dict]], runs: list[dict]) -> str:
     for x in runs:
         rs = results[x["label"]]
         sps = med([r["steps_per_s"] for r in rs])
-        same = trl_by_engine.get(x["engine"])
+        same = None if x.get("full") else trl_by_engine.get(x["engine"])  # --lora's full run: not TRL's work
         ratio = paired = best = ""
         if x["side"] == "rlkit":
             if same:
                 ratio = f"{sps / med([r['steps_per_s'] for r in same]):.2f}x"
                 # the TRL run of the same round ran minutes apart at most: the ratio least moved by load
                 paired = f"{med([a['steps_per_s'] / b['steps_per_s'] for a, b in zip(rs, same)]):.2f}x"
-            best = f"{sps / best_trl:.2f}x"
+            best = "" if x.get("full") else f"{sps / best_trl:.2f}x"
         rounds = ", ".join(f"{r['steps_per_s']:.2f}" for r in rs)
         threads = "/".join(sorted({str(r.get("threads", "?")) for r in rs}))
         out.append(f"| {x['label']} | {threads} | {rounds} | {sps:.2f} | "
@@ -149,7 +179,8 @@ def table(results: dict[str, list[dict]], runs: list[dict]) -> str:
 
 def phase_table(results: dict[str, list[dict]], runs: list[dict]) -> str:
     """Where a measured step's time goes: means over its steps, medians over rounds. For rlkit, the
-    driver's phase time and (in brackets) the time inside the worker's method: the gap is the Ray call."""
+    driver's phase time and (in brackets) the time inside the worker's method: the gap is the Ray call. For
+    TRL, the update is from the end of ``_prepare_inputs`` (generation and rewards) to the step's end."""
     out = ["| run | step s | generate s [in engine] | update s [in worker] | sync s [in worker] | rest s |",
            "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for x in runs:
@@ -164,8 +195,48 @@ def phase_table(results: dict[str, list[dict]], runs: list[dict]) -> str:
             out.append(f"| {x['label']} | {step:.4f} | {gtxt} | {utxt} | {stxt} | {step - g - u - sy:.4f} |")
         else:
             gtxt = f"{gen:.4f}" if gens else "-"
+            upds = [r["update_s_per_step"] for r in rs if r.get("update_s_per_step") is not None]
+            if gens and upds:  # trl_worker.py's update clock: the end of _prepare_inputs to the step's end
+                upd = med(upds)
+                out.append(f"| {x['label']} | {step:.4f} | {gtxt} | {upd:.4f} | - | {step - gen - upd:.4f} "
+                           f"(reward, logs) |")
+                continue
             rest = f"{step - gen:.4f} (update, reward, logs)" if gens else "-"
             out.append(f"| {x['label']} | {step:.4f} | {gtxt} | - | - | {rest} |")
+    return "\n".join(out)
+
+
+def lora_table(results: dict[str, list[dict]], runs: list[dict]) -> str:
+    """``--lora``: per run, medians over rounds of steps/s, update and sync seconds per step, sync bytes per
+    step and peak RSS; for rlkit's LoRA runs the ratios to TRL's LoRA run of the same engine (steps/s) and,
+    for the plain HF-engine one, to rlkit's full fine-tuning run (update s/step, peak RSS)."""
+    def col(rs: list[dict], key: str) -> float:
+        return med([r[key] for r in rs if r.get(key) is not None])
+
+    def num(v: float, fmt: str) -> str:
+        return "-" if v != v else format(v, fmt)
+
+    trl_by_engine = {x["engine"]: results[x["label"]] for x in runs if x["side"] == "trl"}
+    full = next((results[x["label"]] for x in runs if x.get("full")), [])
+    out = ["| run | steps/s | update s/step | sync s/step | sync bytes/step | peak RSS MB | "
+           "rlkit LoRA / TRL LoRA steps/s | same, median of per-round ratios | rlkit LoRA / rlkit full update s/step | "
+           "rlkit LoRA / rlkit full peak RSS |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for x in runs:
+        rs = results[x["label"]]
+        sps, upd, rss = col(rs, "steps_per_s"), col(rs, "update_s_median"), col(rs, "peak_rss_mb")
+        vs_trl = paired = vs_upd = vs_rss = ""
+        if x["side"] == "rlkit" and not x.get("full"):
+            same = trl_by_engine.get(x["engine"])
+            if same:
+                vs_trl = f"{sps / col(same, 'steps_per_s'):.2f}x"
+                paired = f"{med([a['steps_per_s'] / b['steps_per_s'] for a, b in zip(rs, same)]):.2f}x"
+            if full and x.get("key") == "hf-lora":  # the same configuration as the full run but for LoRA
+                vs_upd = f"{upd / col(full, 'update_s_median'):.2f}x"
+                vs_rss = f"{rss / col(full, 'peak_rss_mb'):.2f}x"
+        out.append(f"| {x['label']} | {num(sps, '.2f')} | {num(upd, '.4f')} | {num(col(rs, 'sync_s_median'), '.4f')} | "
+                   f"{num(col(rs, 'sync_bytes_median'), ',.0f')} | {num(rss, '.0f')} | {vs_trl} | {paired} | {vs_upd} | "
+                   f"{vs_rss} |")
     return "\n".join(out)
 
 
@@ -306,7 +377,7 @@ def profile_runs(runs: list[dict], model: str, steps: int, out: Path, timeout_s:
     if not spy.exists():
         raise SystemExit(f"{spy} is missing: run `bash bench/setup_trl.sh` (it installs py-spy)")
     report: dict[str, dict] = {}
-    for x in [r for r in runs if r["engine"] == "hf"]:
+    for x in [r for r in runs if r["engine"] == "hf" and not r.get("full")]:
         raw = out / f"pyspy-{x['side']}.txt"
         # --nonblocking: never pause the process to sample (pausing torch's OpenMP threads slowed TRL ~10x)
         spied = dict(x, cmd=[str(spy), "record", "--subprocesses", "--nonblocking", "-r", str(RATE), "--format",
@@ -354,10 +425,15 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="one py-spy'd run per side instead of the rounds")
     ap.add_argument("--base", default=None, help="a commit: also run every rlkit configuration at it, "
                                                  "interleaved in the same rounds (a speed change, side by side)")
+    ap.add_argument("--lora", type=int, default=None, metavar="R",
+                    help="both sides train LoRA adapters of rank R (alpha 2R, q/k/v/o_proj), plus one rlkit run "
+                         "training all weights; a LoRA table follows the usual ones")
     ap.add_argument("--rows", nargs="*", default=[], choices=("ray", "dp2", "bf16"),
                     help="more rlkit runs: ray (one Ray worker), dp2 (2 Ray ranks, same global batch), bf16 "
                          "(a bf16 rollout engine)")
     args = ap.parse_args()
+    if args.lora is not None and args.lora < 1:
+        ap.error(f"--lora {args.lora}: the rank must be a positive int")
     if args.rounds < 1 or args.steps < 3:
         ap.error(f"--rounds {args.rounds} --steps {args.steps}: need rounds >= 1 and steps >= 3 (2 are warm-up)")
     if not python_with(args.trl_python, "trl", "datasets"):
@@ -398,7 +474,8 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps({"model": model, "args": vars(args), "results": results,
                                                   "failed": failed}, indent=1))
     runs = [x for x in runs if results[x["label"]]]
-    print("\n\n".join(["", table(results, runs), phase_table(results, runs), startup_table(results, runs)]))
+    print("\n\n".join(["", table(results, runs), phase_table(results, runs), startup_table(results, runs),
+                       *([lora_table(results, runs)] if args.lora else [])]))
     if base_tree is not None:
         print("\n" + base_table(results, runs))
         subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT, capture_output=True)

@@ -1,10 +1,16 @@
 """One rlkit Trainer run of bench_vs_trl.py's work, in its own process (run by the rlkit venv's python).
 
-    .venv/bin/python bench/rlkit_worker.py MODEL_DIR STEPS [--engine hf|vllm] [--ray] [--dp N] [--cprofile FILE]
+    .venv/bin/python bench/rlkit_worker.py MODEL_DIR STEPS [--engine hf|vllm] [--ray] [--dp N] [--lora R] [--cprofile FILE]
 
 Prints ``RESULT {json}``: steps/s and tokens/s after the warm-up steps, start-up (process start to the
 first ``train_step`` begun), peak RSS (the process + Ray daemons + workers, where Ray runs), the median of each of rlkit's
-``timing/<phase>`` metrics, and where start-up went (imports, Ray, workers).
+``timing/<phase>`` metrics, and where start-up went (imports, Ray, workers). ``update_s_median``,
+``sync_s_median`` and ``sync_bytes_median`` are the medians over the measured steps of the Trainer's
+``timing/update``, ``timing/sync`` and ``sync/bytes`` metrics (``sync/bytes``: what the sync gathered between
+ranks, largest rank; 0 unless the weights are sharded: at dp=1 and with ``--dp N``'s replicated weights).
+
+``--lora R``: ``rlkit.Trainer(..., lora=lora_config(R))``, the same peft ``LoraConfig`` as ``trl_worker.py
+--lora R`` (``vs_trl_common``: r=R, lora_alpha=2R, lora_dropout=0, q/k/v/o_proj).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vs_trl_common import PROMPTS, WARMUP_STEPS, WORK, PeakRSS, StepClock, emit, share_of  # noqa: E402
+from vs_trl_common import PROMPTS, WARMUP_STEPS, WORK, PeakRSS, StepClock, emit, lora_config, share_of  # noqa: E402
 
 CLOCK = StepClock()  # before the heavy imports: they are part of start-up
 TIMED = ("generate", "update_actor", "sync_weights")  # worker methods a step calls
@@ -103,6 +109,8 @@ def main() -> None:
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16-mixed"),
                     help="the update's precision: bf16-mixed is bf16 autocast on fp32 weights (TRL's bf16=True)")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks (>1: Ray workers), same global batch")
+    ap.add_argument("--lora", type=int, default=None, metavar="R",
+                    help="train LoRA adapters of rank R (alpha 2R, q/k/v/o_proj: trl_worker.py's) instead of all weights")
     args = ap.parse_args()
     rss = PeakRSS().start()
     marks = {"python_s": time.perf_counter() - CLOCK.t0_perf}
@@ -144,6 +152,7 @@ def main() -> None:
                                                  temperature=WORK["temperature"]),
                            prompts_per_step=WORK["prompts_per_step"], lr=WORK["lr"], kl_coef=WORK["kl"],
                            max_grad_norm=WORK["max_grad_norm"], seed=WORK["seed"], precision=args.precision,
+                           lora=lora_config(args.lora) if args.lora else None,
                            run_dir=args.run_dir or tempfile.mkdtemp(prefix="rlkit-bench-"))
         marks["trainer_s"] = time.perf_counter() - t
         marks.update({f"workers_{k}": v for k, v in tr.group.timings.items()})
@@ -187,6 +196,9 @@ def main() -> None:
                   if len(v) > WARMUP_STEPS}
         inside["engine_generate"] = statistics.mean(engine_s[WARMUP_STEPS:])
         worker_rss = float(m["memory/rss_max_gb"].max()) * 1024
+        lora_cols = {"update_s_median": "timing/update", "sync_s_median": "timing/sync",
+                     "sync_bytes_median": "sync/bytes", "sync_param_bytes_median": "sync/param_bytes"}
+        lora_res = {k: float(m[c].median()) if c in m.columns else None for k, c in lora_cols.items()}
         extra = {"probe": probe(tr, last)} if args.probe else {}
         cpu = cpu_by_process()
     finally:
@@ -202,7 +214,7 @@ def main() -> None:
     res.update(side="rlkit", engine=args.engine, dp=args.dp, rollout_dtype=args.rollout_dtype, precision=args.precision, ray=bool(cluster is not None), version=getattr(rlkit, "__version__", "?"), threads=threads,
                peak_rss_mb=rss.peak_mb, processes=rss.peak_procs, worker_peak_rss_mb=worker_rss,
                phases_median_s=phases, phases_mean_s=means, worker_mean_s=inside, startup_parts_s=marks,
-               cpu_s_by_process=cpu, **extra,
+               cpu_s_by_process=cpu, lora=args.lora, **lora_res, **extra,
                generate_s_per_step=means.get("generate"), wall_s=time.perf_counter() - CLOCK.t0_perf,
                step_s_median_rlkit=statistics.median(list(m["timing/step"])))
     emit(res)

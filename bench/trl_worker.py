@@ -1,20 +1,27 @@
 """One TRL GRPOTrainer run of bench_vs_trl.py's work, in its own process (run by the TRL venv's python).
 
-    .venv-trl/bin/python bench/trl_worker.py MODEL_DIR STEPS [--vllm] [--bf16]
+    .venv-trl/bin/python bench/trl_worker.py MODEL_DIR STEPS [--vllm] [--bf16] [--lora R]
 
 Prints ``RESULT {json}``: steps/s and tokens/s after the warm-up steps, start-up (process start to the
-first step begun), peak RSS, and the seconds spent inside ``generate`` per step.
+first step begun), peak RSS, the seconds spent inside ``generate`` per step, and the update's seconds per
+step (``update_s_median``: from the end of GRPOTrainer's ``_prepare_inputs``, where it generates and scores,
+to the step's end: the loss forward, backward, grad-norm clip, optimizer and scheduler step, zero_grad).
+
+``--lora R``: TRL's own LoRA path, ``GRPOTrainer(..., peft_config=lora_config(R))`` (``vs_trl_common``:
+r=R, lora_alpha=2R, lora_dropout=0, q/k/v/o_proj); the reference would be the base with adapters off (no
+KL here, so none is computed); with ``--vllm`` TRL merges the adapters into the weights it sends vLLM.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vs_trl_common import PROMPTS, WORK, PeakRSS, StepClock, emit, share_of  # noqa: E402
+from vs_trl_common import PROMPTS, WORK, PeakRSS, StepClock, emit, lora_config, share_of  # noqa: E402
 
 CLOCK = StepClock()  # before the heavy imports: they are part of start-up
 
@@ -26,6 +33,8 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="TRL's vllm_mode='colocate' (needs vllm in this venv)")
     ap.add_argument("--bf16", action="store_true", help="GRPOConfig(bf16=True): TRL's mixed precision (autocast)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    ap.add_argument("--lora", type=int, default=None, metavar="R",
+                    help="train LoRA adapters of rank R (peft_config; alpha 2R, q/k/v/o_proj) instead of all weights")
     ap.add_argument("--out", default=None, help="TRL's output_dir (nothing is saved; default: a temp dir)")
     args = ap.parse_args()
     rss = PeakRSS().start()
@@ -51,6 +60,8 @@ def main() -> None:
     score = share_of(tok.convert_tokens_to_ids(WORK["target_token"]))
 
     gen_s: list[float] = []
+    update_s: list[float] = []  # per step: the end of _prepare_inputs to on_step_end
+    prepared: list[float] = []  # when the step's batch was ready
     inner = GenerationMixin.generate
 
     def timed_generate(self, *a, **kw):  # the time TRL spends inside HF generate, per call
@@ -73,6 +84,8 @@ def main() -> None:
 
         def on_step_end(self, *a, **k):
             CLOCK.end()
+            if prepared:  # the update: from the batch ready (generated, scored) to the step's end
+                update_s.append(CLOCK.ends[-1] - prepared.pop())
 
     vllm = {"use_vllm": True, "vllm_mode": "colocate", "vllm_max_model_length": 256} if args.vllm else {}
     cfg = GRPOConfig(
@@ -85,15 +98,28 @@ def main() -> None:
     t = time.perf_counter()
     trainer = GRPOTrainer(model=model, reward_funcs=share_reward, args=cfg,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok,
-                          callbacks=[Clock()])
+                          callbacks=[Clock()], peft_config=lora_config(args.lora) if args.lora else None)
     marks["trainer_s"] = time.perf_counter() - t
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    prepare = trainer._prepare_inputs  # Trainer.training_step calls it first: generation + scoring happen in it
+
+    def timed_prepare(*a, **k):
+        out = prepare(*a, **k)
+        prepared[:] = [time.perf_counter()]
+        return out
+
+    trainer._prepare_inputs = timed_prepare
     t = time.perf_counter()
     trainer.train()
     rss.stop()
     res = CLOCK.summary()
     marks["train_to_first_step_s"] = CLOCK.begins[0] - t
     w = len(gen_s) - res["measured_steps"]
+    upd = update_s[-res["measured_steps"]:] if len(update_s) >= res["measured_steps"] else []
     res.update(side="trl", engine="vllm" if args.vllm else "hf", bf16=args.bf16, version=trl.__version__,
+               lora=args.lora, trainable_params=trainable,
+               update_s_median=statistics.median(upd) if upd else None,
+               update_s_per_step=statistics.mean(upd) if upd else None,
                threads=torch.get_num_threads(), peak_rss_mb=rss.peak_mb, processes=rss.peak_procs,
                generate_s_per_step=(sum(gen_s[w:]) / res["measured_steps"]) if gen_s and w >= 0 else None,
                wall_s=time.perf_counter() - CLOCK.t0_perf, startup_parts_s=marks,

@@ -39,6 +39,15 @@ PROMPTS = ["the quick brown fox", "what is two plus two ?", "count the apples :"
 WORK: dict[str, Any] = dict(n=4, prompts_per_step=2, max_new_tokens=32, lr=1e-3, temperature=1.0, kl=0.0,
                             max_grad_norm=1.0, seed=0, target_token="e")
 WARMUP_STEPS = 2  # steps left out of steps/s: the first steps carry one-off costs (vLLM warms up here)
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # bench_vs_trl --lora: the attention projections
+
+
+def lora_config(r: int):
+    """The one peft ``LoraConfig`` both sides of ``bench_vs_trl.py --lora R`` train: rank ``r``, alpha ``2r``,
+    no dropout, the attention projections (TRL's ``peft_config=``, rlkit's ``Trainer(lora=)``). Imports peft."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=list(LORA_TARGETS))
 
 
 def share_of(target: int) -> Callable[[list[list[int]]], list[float]]:
