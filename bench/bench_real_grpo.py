@@ -20,8 +20,6 @@ it (with the held-out curve) as CSV into its run folder, ``runs/bench-real-grpo`
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import os
 from pathlib import Path
 
@@ -31,20 +29,6 @@ from rlkit.demo import real_model_run
 
 FULL_LR = 2e-5
 LORA_LR_FACTOR = 10  # --lora's default lr: FULL_LR x this
-
-
-@contextlib.contextmanager
-def trainer_with(**kw):
-    """``rlkit.Trainer`` given ``kw`` too while inside: ``real_model_run`` builds its own Trainer and takes no
-    ``lora=``, so the bench passes it this way (rlkit itself is not changed)."""
-    import rlkit
-
-    base = rlkit.Trainer
-    rlkit.Trainer = functools.partial(base, **kw)
-    try:
-        yield
-    finally:
-        rlkit.Trainer = base
 
 
 def main() -> None:
@@ -68,11 +52,9 @@ def main() -> None:
     lr = args.lr if args.lr is not None else FULL_LR * (LORA_LR_FACTOR if args.lora else 1)
     run_dir = "runs/bench-real-grpo" + (f"-lora-r{args.lora}" if args.lora else "")
     torch.set_num_threads(1)
-    with trainer_with(lora=args.lora) if args.lora else contextlib.nullcontext():
-        out = real_model_run(steps=args.steps, eval_every=args.eval_every, eval_samples=args.eval_samples,
-                             digits=args.digits,
-                             lr=lr, dp=args.dp, prompts_per_step=args.prompts_per_step,
-                             n=args.n, seed=args.seed, view="tqdm", run_dir=run_dir)
+    out = real_model_run(steps=args.steps, eval_every=args.eval_every, eval_samples=args.eval_samples,
+                         digits=args.digits, lr=lr, dp=args.dp, prompts_per_step=args.prompts_per_step,
+                         n=args.n, seed=args.seed, view="tqdm", run_dir=run_dir, lora=args.lora)
     m = out["metrics"]
     what = f"LoRA r={args.lora} (alpha {2 * args.lora})" if args.lora else "full fine-tuning"
     print(f"\nGRPO, SmolLM2-135M-Instruct, {what}, ChatArithmetic(digits={args.digits}), {args.prompts_per_step} "

@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     ap.add_argument("--lora", type=int, default=None, metavar="R",
                     help="train LoRA adapters of rank R (peft_config; alpha 2R, q/k/v/o_proj) instead of all weights")
+    ap.add_argument("--no-gradient-checkpointing", action="store_true",
+                    help="GRPOConfig(gradient_checkpointing=False); TRL 1.16 defaults to True (recompute in backward)")
     ap.add_argument("--out", default=None, help="TRL's output_dir (nothing is saved; default: a temp dir)")
     args = ap.parse_args()
     rss = PeakRSS().start()
@@ -94,7 +96,8 @@ def main() -> None:
         gradient_accumulation_steps=1, max_completion_length=WORK["max_new_tokens"],
         temperature=WORK["temperature"], learning_rate=WORK["lr"], lr_scheduler_type="constant",
         beta=WORK["kl"], max_grad_norm=WORK["max_grad_norm"], max_steps=args.steps, logging_steps=1,
-        save_strategy="no", report_to="none", dataloader_num_workers=0, seed=WORK["seed"], **vllm)
+        save_strategy="no", report_to="none", dataloader_num_workers=0, seed=WORK["seed"],
+        **({"gradient_checkpointing": False} if args.no_gradient_checkpointing else {}), **vllm)
     t = time.perf_counter()
     trainer = GRPOTrainer(model=model, reward_funcs=share_reward, args=cfg,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=tok,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 
 def main(quick: bool = False, steps: int | None = None) -> int:
@@ -65,7 +66,7 @@ REAL_MODEL = "smollm2-135m-instruct"
 def real_model_run(model: str = REAL_MODEL, steps: int = 20, eval_every: int = 5, eval_samples: int = 4,
                    digits: int = 1, lr: float = 2e-5, dp: int = 2, prompts_per_step: int = 4, n: int = 8,
                    seed: int = 0, view: str = "auto",
-                   run_dir: str | None = None, log=print) -> dict:
+                   run_dir: str | None = None, log=print, lora: Any = None) -> dict:
     """GRPO on chat arithmetic with a real pretrained model, scored on held-out questions as it trains.
 
     The task is ``rlkit.tasks.ChatArithmetic(digits=digits, test_fraction=0.3)`` ("What is 3 + 5? Answer
@@ -73,6 +74,7 @@ def real_model_run(model: str = REAL_MODEL, steps: int = 20, eval_every: int = 5
     training and 25 held-out questions. Before training and every ``eval_every`` steps the policy answers
     every held-out question greedily, and ``eval_samples`` times each sampled at temperature 1. Each step
 trains on ``prompts_per_step`` questions sampled ``n`` times (about 27 s a step on 2 CPU cores at dp=2).
+    ``lora``: train LoRA adapters instead (``TrainerConfig.lora``: a peft ``LoraConfig`` or a rank).
     Returns ``{"curve": DataFrame (one row per evaluation), "metrics": the training metrics DataFrame,
     "before": ..., "after": ... (the first and last curve rows as dicts), "samples": ...}``.
 
@@ -91,7 +93,7 @@ trains on ``prompts_per_step`` questions sampled ``n`` times (about 27 s a step 
     t0 = time.perf_counter()
     trainer = rlkit.Trainer(model=path, dataset=task, algorithm="grpo", plan=plan,
                             rollout=rlkit.Rollout(engine="hf", n=n, max_new_tokens=task.max_new_tokens),
-                            prompts_per_step=prompts_per_step, lr=lr, seed=seed,
+                            prompts_per_step=prompts_per_step, lr=lr, seed=seed, lora=lora,
                             run_dir=run_dir or os.path.join("runs", f"real-{model}"))
     log(f"{model} on {plan.world_size} worker(s) ({plan.describe()}) ready in {time.perf_counter() - t0:.1f} s")
     curve = []
