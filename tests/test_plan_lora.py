@@ -153,21 +153,96 @@ def test_full_finetune_columns_are_unchanged_without_lora(tiny_config):
     assert plain.attrs["lora"] is None
 
 
-def test_activations_add_the_r_wide_intermediate_per_adapted_layer(tiny_config):
+def test_activations_keep_the_share_of_saved_tensors_a_frozen_base_needs(tiny_config):
     from peft import LoraConfig
 
-    cfg = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
-    kw = dict(seq_len=32, micro_batch=2, precision="fp32", flash_attention=False)
-    extra = 2 * 32 * 4 * FP32 * 2  # b x s x r x 4 bytes, two adapted layers each
+    s, b, A = 32, 2, 4  # 4 heads; eager attention keeps the A x s probabilities per token
+    kw = dict(seq_len=s, micro_batch=b, precision="fp32", flash_attention=False)
 
     def acts(**more):
         return int(estimate_memory(ParallelPlan(), tiny_config, **kw, **more).activations[0])
 
-    assert acts(lora=cfg) - acts() == L * extra
-    full = dict(activation_checkpointing=True)
-    assert acts(lora=cfg, **full) - acts(**full) == extra  # only the recomputed layer's
+    per_layer = acts() // L
+    # elements per token one layer saves, by hand. Full fine-tuning: two norms (input, normed, output:
+    # 3H, + rsqrt), rotated q, k and v (repeat_kv copies the 2 KV heads to 4: Q each), probabilities,
+    # attention output, gate / up outputs, SiLU, product
+    full = 2 * (3 * H + 1) + 3 * Q + A * s + Q + 4 * FF
+    # q and v adapted (r=4): no norm keeps normed, o_proj / gate+up / down_proj lose their inputs, two lora_B
+    # keep lora_A(x); layer 0 (after the frozen embedding): no input norm, only q and v need grad so QK^T
+    # keeps k but not the rotated q, and everything after the attention needs grad again
+    qv = full - 2 * H - Q - H - FF + 2 * 4
+    qv0 = (H + 2 * 4) + 2 * Q + A * s + (H + 1) + 3 * FF
+    cfg = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    assert acts(lora=cfg) == 3 * (per_layer * qv // full) + per_layer * qv0 // full
+    ckpt = dict(activation_checkpointing=True)
+    assert acts(lora=cfg, **ckpt) - acts(**ckpt) == per_layer * qv // full - per_layer  # the recomputed layer's
+    # lora_dropout: each adapter keeps its own dropped copy of the input and (while it needs grad) a 1-byte mask
     dropped = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
-    assert acts(lora=dropped) - acts(lora=cfg) == L * 2 * 32 * (H + H) * (FP32 + 1)  # the dropped input and mask
+    in_bytes = [(qv0 + H) * FP32, (qv + H) * FP32 + 2 * H]
+    assert acts(lora=dropped) == sum(per_layer * n // (full * FP32) for n in in_bytes[:1] + in_bytes[1:] * 3)
+    # adapters on layers 2 and 3 only: layers 0 and 1 save nothing
+    late = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], layers_to_transform=[2, 3])
+    assert acts(lora=late) == per_layer * qv0 // full + per_layer * qv // full
+    assert acts(lora=4) < acts()  # frozen weights keep fewer inputs
+
+
+# the one-process stage's saved tensors (unique storages autograd keeps, parameters aside), as the runtime's
+# ParallelModel.measure_activations counts them: the measurement is the expected value
+MEASURED_TARGETS = {
+    "full fine-tuning": None,
+    "all seven": list(LINEARS),
+    "attention": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "q and v": ["q_proj", "v_proj"],
+    "mlp": ["gate_proj", "up_proj", "down_proj"],
+    "k only": ["k_proj"],
+    "q and v, layers 2-3": (["q_proj", "v_proj"], [2, 3]),
+}
+
+
+def _saved_bytes(lora_cfg, seq_len: int, batch: int) -> int:
+    import torch
+
+    from rlkit.models import load, tiny_lm
+    from rlkit.parallel.lora import inject
+    from rlkit.parallel.stage import Stage
+
+    hf, _ = load(tiny_lm("qwen2"))
+    if lora_cfg is not None:
+        inject(hf, lora_cfg, 0)
+    st = Stage(hf, range(hf.config.num_hidden_layers), first=True, last=True)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 400, (batch, seq_len), generator=gen)
+    params = {p.untyped_storage().data_ptr() for p in st.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp, ent = st(ids, attention_mask=torch.ones_like(ids), labels=ids)
+    (lp.sum() + ent.sum()).backward()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("targets", list(MEASURED_TARGETS), ids=list(MEASURED_TARGETS))
+def test_lora_activations_match_the_measured_saved_tensors(targets, tiny_config):
+    from peft import LoraConfig
+
+    chosen = MEASURED_TARGETS[targets]
+    cfg = None
+    if chosen is not None:
+        names, layers = chosen if isinstance(chosen, tuple) else (chosen, None)
+        cfg = LoraConfig(r=4, lora_alpha=8, target_modules=names, layers_to_transform=layers)
+    s, b = 16, 2
+    measured = _saved_bytes(cfg, s, b)
+    # as rlkit.parallel.check.compare_with_estimate reads it: fp32, eager attention, gathered logits
+    est = estimate_memory(ParallelPlan(), tiny_config, seq_len=s, micro_batch=b, precision="fp32",
+                          flash_attention=False, gathered_logits=True, lora=cfg)
+    estimate = int(est.activations[0] + est.logits[0])
+    assert abs(estimate - measured) <= 0.02 * measured, (targets, estimate, measured)
 
 
 def test_reference_shares_the_actors_weights_and_hybrid_engine_merges(tiny_config):

@@ -12,6 +12,7 @@ are exact, padding included, for the torch layout described in :func:`estimate_m
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from rlkit.errors import PlanError
@@ -132,6 +133,87 @@ def _layer_activation_bytes(spec: ModelSpec, s: int, b: int, tp: int, act_bytes:
     else:
         n = 10 * s * b * h + (24 * s * b * h + scores) // tp
     return n * act_bytes // 2
+
+
+def _layer_saved(spec: ModelSpec, s: int, b: int, tp: int, cb: int, sequence_parallel: bool, eager: bool,
+                 lora: tuple[tuple[str, ...], int, bool] | None = None, rg: bool = True) -> tuple[int, bool]:
+    """The tensors one decoder layer (HF Llama / Qwen2: RMSNorm, q/k/v/o, gated MLP) saves for backward,
+    one by one, in bytes for ``b x s`` tokens on one TP rank, and whether its output requires grad.
+
+    ``lora=None``: full fine-tuning, where every weight trains. ``lora=(targets, r, dropout)``: the base is
+    frozen and ``targets`` carry adapters; ``rg`` says whether the layer's input requires grad (not on
+    the first stage before the first adapter: the embedding is frozen). Autograd saves an op's input
+    only for a gradient that is needed, so with a frozen base:
+
+    * a linear layer's input is saved only by its adapters' ``lora_A`` (one tensor, however many of
+      q/k/v or gate/up read it; with ``lora_dropout`` each adapter saves its own dropped copy and, while
+      the input requires grad, its 1-byte mask instead), plus the r-wide ``lora_A(x)`` each ``lora_B``
+      saves;
+    * an RMSNorm keeps its input and ``rsqrt`` while its input requires grad, never ``normed`` (the
+      input of ``weight * normed``, needed only for the frozen weight's gradient);
+    * the attention core and the gated MLP keep what their inputs' gradients need: QK^T keeps the
+      rotated q for k's gradient and k for q's, the softmax its output while q or k require grad, PV the
+      probabilities for v's gradient and v for theirs; SiLU its input and ``act * up`` each factor
+      for the other's gradient. A fused attention kernel keeps q, k, v and its output while any of
+      them requires grad.
+
+    Full fine-tuning keeps, per token: ``6h + 2`` replicated (two norms' input, ``normed``, output and
+    ``rsqrt``), ``2q + 2k + a s`` (rotated q, k, v, the probabilities; k and v at ``kv_dim`` where a rank
+    holds one KV head or none are shared, ``q_dim`` where ``repeat_kv`` copies them) and ``q + 4i`` split
+    by TP (the attention output, gate and up outputs, SiLU, their product).
+
+    >>> from rlkit.plan.spec import as_spec
+    >>> spec = as_spec("llama-2-7b")    # h = q = 4096, i = 11008, 32 heads; one token, fp32, eager
+    >>> saved = lambda **kw: _layer_saved(spec, 1, 1, 1, 4, False, True, **kw)
+    >>> saved()[0] // 4                                                # 6h + 2 + 4q + a s + 4i
+    85026
+    >>> saved(lora=(("q_proj", "v_proj"), 8, False))[0] // 4           # - 2h - q - h - i + 2r
+    57650
+    >>> saved(lora=(("o_proj",), 8, False), rg=False)[0] // 4   # frozen up to o_proj: q + r + h + 1 + 3i
+    41225
+    """
+    a = spec.num_attention_heads
+    h = -(-spec.hidden_size // tp) if sequence_parallel else spec.hidden_size  # replicated (sequence-split)
+    q, inter = -(-spec.q_dim // tp), -(-spec.intermediate_size // tp)          # TP-split
+    kv_local = spec.num_key_value_heads // tp
+    # repeat_kv: a view of k / v where a rank holds one KV head (or each head is its own), else a copy
+    kv = -(-spec.kv_dim // tp) if kv_local <= 1 or spec.num_key_value_heads == a else q
+    probs = -(-a // tp) * s
+    full = lora is None
+    targets, r, dropout = ((), 0, False) if lora is None else lora
+    mask = 0
+
+    def trains(name: str) -> bool:
+        return full or name in targets
+
+    def inputs(n: int, readers: tuple[str, ...], input_rg: bool) -> int:
+        nonlocal mask
+        if full:
+            return n
+        adapted = sum(name in targets for name in readers)
+        if dropout:
+            mask += adapted * n * input_rg
+            return adapted * n + adapted * r
+        return (n if adapted else 0) + adapted * r
+
+    def norm(input_rg: bool) -> int:
+        return 2 * h + 1 if full else (h + 1) * input_rg
+
+    rg = rg or full
+    el = norm(rg) + inputs(h, ("q_proj", "k_proj", "v_proj"), rg)
+    rq, rk, rv = (rg or trains(n) for n in ("q_proj", "k_proj", "v_proj"))
+    if eager:
+        el += q * rk + kv * rq + kv * (rq or rk) + probs * (rq or rk or rv)
+    else:
+        el += (2 * q + 2 * kv) * (rq or rk or rv)
+    attn_rg = rq or rk or rv
+    el += inputs(q, ("o_proj",), attn_rg)
+    rg = rg or attn_rg or trains("o_proj")
+    el += norm(rg) + inputs(h, ("gate_proj", "up_proj"), rg)
+    r_gate, r_up = rg or trains("gate_proj"), rg or trains("up_proj")
+    el += 2 * inter * r_gate + inter * r_up
+    el += inputs(inter, ("down_proj",), r_gate or r_up)
+    return s * b * (el * cb + mask), rg or r_gate or r_up or trains("down_proj")
 
 
 def _in_flight(plan: ParallelPlan, pp_rank: int) -> int:
@@ -304,19 +386,31 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     ``grads`` and ``optimizer`` = the adapters only (the base has no gradient and no AdamW state) and
     ``param_tensors`` counts the adapter tensors (AdamW's ``step`` tensors). ``param_buffers``: the
     all-gathered compute copies are of base + adapters (FSDP2 gathers frozen parameters too), the gradient
-    buffers and the unsharded gradients of accumulation are the adapters'. ``activations`` add, per
-    adapted linear layer of each layer, the r-wide intermediate ``lora_A(x)`` that ``lora_B`` saves:
-    ``micro_batch x seq_len x r x compute bytes`` (4 in fp32), not split by TP (``lora_A``'s output is
-    whole on every TP rank); with ``lora_dropout > 0`` also the dropped copy of the layer's input that
-    ``lora_A`` saves and its 1-byte mask (``micro_batch x seq_len x in_features x (compute bytes + 1)``;
-    rlkit allows dropout only with tp=1). Not counted: the input ``x`` that ``lora_A`` saves is the tensor
-    the base layer saves anyway (with a frozen base only LoRA keeps it: the same storage), and the
-    adapter's output and ``scaling`` products are not saved. Under ``recompute="full"`` only the
-    recomputed layer's intermediates are held. The critic trains its full weights (LoRA is the actor's),
-    and a ``"reference"`` next to the actor is the same model with its adapters switched off: it adds no
-    weights. With the 3D-HybridEngine the generation layout reads merged weights ``W + s B A``: a new
-    tensor per adapted weight on top of the generation shard (``rollout_weights``; the adapters it
-    gathers on the way, small and dropped after the merge, are not counted). ``df.attrs`` records
+    buffers and the unsharded gradients of accumulation are the adapters'. ``activations``: autograd saves an
+    op's input only for a gradient that is needed, and a frozen weight needs none, so LoRA saves *less* than
+    full fine-tuning. Each decoder layer's tensors are counted one by one for both (``_layer_saved``; HF
+    Llama / Qwen2 layers) and the per-layer term above is scaled by the share LoRA keeps. Under LoRA a
+    frozen linear layer no longer keeps its input: only its adapter's ``lora_A`` does (one tensor for
+    q/k/v or gate/up together), so the attention input goes when none of q/k/v is adapted, the attention
+    output without an o_proj adapter, the MLP input without gate/up, the SiLU product without down_proj;
+    each ``lora_B`` adds its r-wide input ``lora_A(x)`` (``micro_batch x seq_len x r``, whole on every TP
+    rank); an RMSNorm keeps its input and ``rsqrt`` but not ``normed`` (the input of its frozen weight's
+    product). On the first pipeline stage the frozen embedding's output needs no gradient, so until the
+    first adapter nothing is saved, and in the first adapted layer only what the adapted projections'
+    gradients need (e.g. with q and v adapted, QK^T keeps k for q's gradient but not the rotated q).
+    With ``lora_dropout > 0`` each adapter saves its own dropped copy of its input instead
+    (``in_features x compute bytes``) and, where that input requires grad, its 1-byte mask (CUDA's
+    ``native_dropout``; CPU's dropout keeps the mask in the input's dtype); rlkit allows dropout only with
+    tp=1. The logits and the head's other tensors are left as full fine-tuning counts them (the frozen
+    lm_head no longer keeps its input, which the head term does not count either). Under
+    ``recompute="full"`` only the recomputed layer's share applies. Measured against the runtime
+    (``python -m rlkit.parallel --lora 4``, tiny Qwen2, fp32 eager) the activations are within about 1.5%
+    for the seven projections, attention or MLP only, q/v only, on one rank, dp=2, tp=2 and pp=2. The
+    critic trains its full weights (LoRA is the actor's), and a ``"reference"`` next to the actor is the
+    same model with its adapters switched off: it adds no weights. With the 3D-HybridEngine the generation
+    layout reads merged weights ``W + s B A``: a new tensor per adapted weight on top of the generation
+    shard (``rollout_weights``; the adapters it gathers on the way, small and dropped after the merge, are
+    not counted). ``df.attrs`` records
     ``lora`` (the LoraSpec), ``lora_params`` (adapter parameters of the whole model,
     :func:`~rlkit.plan.spec.lora_params`) and ``lora_targets`` (the adapted layers' short names).
 
@@ -329,6 +423,8 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     True
     >>> adapted.attrs["lora_targets"]
     ('q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj')
+    >>> f"{adapted.activations[0] / full.activations[0]:.2f}"   # frozen weights keep fewer inputs
+    '0.92'
     """
     spec, s, b = check_common(plan, model, seq_len, micro_batch, precision)
     if token_budget is not None:
@@ -384,24 +480,28 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
                                             recompute)
     ckpt_layer = 2 * s * b * spec.hidden_size * prec["compute"] // 2 // (tp if sequence_parallel else 1)
 
-    # LoRA: per pipeline rank, how many of its layers carry each set of adapted linear layers, and the
-    # activation bytes the adapters add on it (all its layers; the largest one layer's)
+    # LoRA: per pipeline rank, how many of its layers carry each set of adapted linear layers, and how the
+    # activations its layers save differ from full fine-tuning's (all its layers; the largest one layer's)
     lora_groups: list[dict[tuple[str, ...], int]] = [{} for _ in range(pp)]
     lora_act = [0] * pp
-    lora_act_max = [0] * pp
+    lora_act_max: list[int | None] = [None] * pp
     if lo is not None:
-        in_features = {name: d1 for name, d0, d1, _ in layer_t}
+        # a layer keeps the share of full fine-tuning's saved bytes that its tensors, counted one by one,
+        # still need with a frozen base (_layer_saved): the per-layer term scaled by it
+        saved = partial(_layer_saved, spec, s, b, tp, prec["compute"], sequence_parallel,
+                        not flash_attention and recompute != "selective")
+        full_layer = saved()[0]
         for st, rng in enumerate(plan.stage_layers(spec.num_layers)):
             p = st % pp
+            rg = st > 0  # the frozen embedding's output needs no grad; a later stage's input does
             for i in rng:
                 targets = lora_layers[i]
                 if targets:
                     lora_groups[p][targets] = lora_groups[p].get(targets, 0) + 1
-                # the r-wide lora_A(x) per adapted layer; with dropout the dropped input and its mask
-                act = s * b * (lo.r * len(targets) * prec["compute"]
-                               + (sum(in_features[n] for n in targets) * (prec["compute"] + 1) if lo.lora_dropout else 0))
+                kept, rg = saved((targets, lo.r, bool(lo.lora_dropout)), rg)
+                act = per_layer_act * kept // full_layer - per_layer_act
                 lora_act[p] += act
-                lora_act_max[p] = max(lora_act_max[p], act)
+                lora_act_max[p] = act if lora_act_max[p] is None else max(lora_act_max[p], act)
 
     def adapter_shard(p: int, t: int, j: int) -> tuple[Shard, int]:
         """What rank (p, t, j) holds of its stage's adapters, and one layer's TP-local adapters (the largest)."""
@@ -437,7 +537,7 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
                 trained, trained_one = adapter_shard(p, t, j)
                 stored_padded, stored_local, stored_one = (padded + trained.padded, local + trained.local,
                                                            one_layer.local + trained_one)
-                lora_act_all, lora_act_one = lora_act[p], lora_act_max[p]
+                lora_act_all, lora_act_one = lora_act[p], lora_act_max[p] or 0
             out["weights"] = stored_padded * prec["param"]
             out["grads"] = trained.padded * prec["grad"]
             out["optimizer"] = n_states * trained.actual * prec["state"]
