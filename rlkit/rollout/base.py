@@ -262,8 +262,9 @@ class RolloutEngine(ABC):
         """Take LoRA adapters (``rlkit.parallel.lora`` names, ``...q_proj.lora_A.default.weight``) and run the
         adapted model: each adapted layer's weight becomes ``W_base + scaling * B @ A``, loaded in place with
         ``load_weights``. Only the adapters cross from the trainer (bytes in proportion to the adapter); the
-        base ``W_base`` of each adapted layer is read once from the engine's checkpoint (a LoRA base never
-        changes) and kept. Merged weights generate at full speed, and the merge works on every engine
+        base ``W_base`` of each adapted layer is read from the engine's checkpoint, one tensor at a time, at
+        each sync (a LoRA base never changes, and the file stays in the page cache): no second copy of the
+        adapted layers is held. Merged weights generate at full speed, and the merge works on every engine
         (vLLM-on-CPU included, whose own LoRA path this avoids). Returns ``load_weights``' report with
         ``bytes`` the adapters' bytes.
 
@@ -277,16 +278,12 @@ class RolloutEngine(ABC):
         for name, t in named_tensor_items(adapters):
             parts.setdefault(module_of(name), {})["A" if ".lora_A." in name else "B"] = t
             nbytes += t.numel() * t.element_size()
-        if not hasattr(self, "_lora_base"):
-            self._lora_base: dict[str, torch.Tensor] = {}
         merged = []
         for mod, ab in parts.items():
             if set(ab) != {"A", "B"}:
                 raise RolloutError(f"load_lora got only lora_{''.join(ab)} of {mod}; send both adapters of a layer")
             key = f"{mod}.weight"
-            if key not in self._lora_base:
-                self._lora_base[key] = self._base_weight(key)
-            merged.append((key, merge(self._lora_base[key], ab["A"], ab["B"], scaling)))
+            merged.append((key, merge(self._base_weight(key), ab["A"], ab["B"], scaling)))
         report = self._load_merged(merged)
         return {**report, "bytes": nbytes, "seconds": time.perf_counter() - t0}
 
@@ -301,7 +298,9 @@ class RolloutEngine(ABC):
         path = getattr(self, "path", None)
         if path is None:
             raise RolloutError("load_lora needs the engine's base weights: build the engine from a checkpoint folder")
-        return CheckpointReader(path).get(name)
+        if getattr(self, "_checkpoint", None) is None:
+            self._checkpoint = CheckpointReader(path)  # the file index only; tensors are read on demand
+        return self._checkpoint.get(name)
 
     def sleep(self) -> None:  # noqa: B027 (optional hook, a no-op by default)
         """Free accelerator memory between rollouts where the engine can; a no-op otherwise."""

@@ -276,10 +276,13 @@ class HFEngine(RolloutEngine):
         return {"bytes": nbytes, "seconds": time.perf_counter() - t0, "tensors": count}
 
     def _base_weight(self, name: str) -> torch.Tensor:
-        # the model's own tensor, before any adapter was merged into it (load_lora asks once per layer)
         if self.path is not None:
             return super()._base_weight(name)
-        return self.model.state_dict()[name].detach().clone()
+        # built from a module: no checkpoint to re-read, so the first sync keeps a copy of each adapted layer
+        base = self.__dict__.setdefault("_lora_base", {})
+        if name not in base:
+            base[name] = self.model.state_dict()[name].detach().clone()
+        return base[name]
 
     def sleep(self) -> None:
         if self.device.type == "cuda":  # park weights on the host while the trainer uses the GPU
