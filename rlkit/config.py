@@ -52,6 +52,10 @@ class TrainerConfig:
     padding_free: bool = True            # pack sequences, pay for real tokens only (False: the padded layout)
     micro_batch_tokens: int | None = None  # padding-free: tokens per micro-batch (None: the plan's micro-batches)
     lora: Any = None                     # peft LoraConfig (TRL's peft_config) or an int rank: train adapters only
+    off_policy_steps: int = 0            # 1: one-step-off async RL (split placement): step k+1's batch samples during step k
+    offpolicy_correction: str | None = None  # "tis" | "mis": weight each token by pi_old / mu (engine) (rlkit.algos.offpolicy)
+    offpolicy_cap: float = 2.0           # TIS truncates the weight here, MIS drops tokens above it
+    offpolicy_level: str = "token"       # "token" | "sequence" (one weight per sample)
     gamma: float = 1.0                   # GAE (ppo)
     lam: float = 1.0
     critic_lr: float = 1e-4
@@ -110,6 +114,15 @@ class TrainerConfig:
         boolean("padding_free", self.padding_free, **err)
         integer("micro_batch_tokens", self.micro_batch_tokens, none_ok=True,
                 hint="tokens per micro-batch, at least the longest prompt + response, e.g. 4096", **err)
+        from rlkit.algos.offpolicy import LEVELS, MODES
+
+        integer("off_policy_steps", self.off_policy_steps, ge=0,
+                hint="0: on-policy (generate, then train); 1: one-step-off (generate the next batch while training)",
+                **err)
+        if self.offpolicy_correction is not None:
+            choice("offpolicy_correction", self.offpolicy_correction, MODES, **err)
+        number("offpolicy_cap", self.offpolicy_cap, gt=0, hint="TIS/MIS cap on pi_old / mu, e.g. 2.0", **err)
+        choice("offpolicy_level", self.offpolicy_level, LEVELS, **err)
         from rlkit.parallel.lora import as_lora_config
 
         try:

@@ -225,6 +225,15 @@ def check_lora(config: TrainerConfig, model_path: str, plan: ParallelPlan) -> No
         raise TrainerError(str(e)) from None
 
 
+def check_off_policy(config: TrainerConfig, placement: Any) -> None:
+    """Asynchronous RL overlaps generation with training on different workers: split placement only."""
+    if config.off_policy_steps and placement.kind != "split":
+        raise TrainerError(f"off_policy_steps={config.off_policy_steps} generates the next batches while the actor "
+                           f"trains, on rollout workers of their own: use placement='split'. Colocated workers run "
+                           f"both phases on the same processes (and cores or GPU), so there is nothing to overlap "
+                           f"there; or off_policy_steps=0")
+
+
 def check_token_budget(config: TrainerConfig, layout: Any) -> None:
     """A padding-free micro-batch must hold the longest sequence the run can make (prompt + response)."""
     budget = config.micro_batch_tokens

@@ -49,6 +49,7 @@ class StepBatch:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     estimated: bool = False
     kl_mean: float | None = None
+    offpolicy: dict[str, float] = field(default_factory=dict)  # engine vs trainer (rlkit.algos.offpolicy)
 
     def __len__(self) -> int:
         return len(self.gen["uid"])
@@ -109,6 +110,10 @@ class StepBatch:
                "advantages/mean": masked_stat(tensors["advantages"], mask, "mean"),
                "advantages/std": masked_stat(tensors["advantages"], mask, "std"),
                "entropy": actor.get("actor/entropy", math.nan), "actor/lr": settings.lr, **actor, **critic}
+        row.update(self.offpolicy)
+        if "policy_version" in gen:  # how many updates behind the actor the sampling policy was (async RL)
+            lag = (step - 1) - gen["policy_version"].float()
+            row["offpolicy/staleness_mean"], row["offpolicy/staleness_max"] = lag.mean().item(), lag.max().item()
         if self.kl_mean is not None:
             row["kl"] = self.kl_mean
         elif "actor/kl_loss" in actor:

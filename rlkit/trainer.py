@@ -10,6 +10,7 @@ functions on tensors, picked by name from its registry. The inputs and their che
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -106,6 +107,7 @@ class Trainer:
         inputs.padding_free(self.config, self.plan)  # a token budget on a dp x pp plan fails here, before workers
         self.plan.validate(model=self.model_path)
         inputs.check_lora(self.config, self.model_path, self.plan)
+        inputs.check_off_policy(self.config, self.placement)
         inputs.check_generation_layout(self.rollout, self.placement, self.model_path)
         self.uses_reference = self.config.kl_coef > 0 or self.algo.needs_reference
         self.step = 0
@@ -116,6 +118,9 @@ class Trainer:
         self.runs = RunDir(self.run_dir)
         self.cluster, self.workers = cluster, None
         self._stop: StopOnInterrupt | None = None  # fit's Ctrl-C handler while it runs
+        # asynchronous RL: generations in flight, (step, PendingBatch, its sync), and the version the engines hold
+        self._ahead: collections.deque = collections.deque()
+        self._engine_version, self._last_sync = -1, None
         self._start_workers()
 
     def _start_workers(self) -> None:
@@ -199,6 +204,8 @@ class Trainer:
         """The rollout half of a step: the actor's weights into the engines, ``Rollout.n`` samples of each
         prompt (default: the step's ``prompts_per_step`` rows of the dataset), their rewards. Returns a
         ``StepBatch`` to look at (``batch.table()``), change (``drop``, ``set_rewards``) and train on."""
+        if self.config.off_policy_steps and prompts is None:
+            return self._generate_ahead()
         c, t, w = self.config, {}, self._live_workers()
         t_step = time.perf_counter()
         rows = self._next_prompts() if prompts is None else [dict(p, _row=p.get("_row", i)) for i, p in enumerate(prompts)]
@@ -209,6 +216,38 @@ class Trainer:
         with _timer(t, "reward"):
             given = self.rewards.score(gen["columns"], gen["completion"])  # NaN: no reward
         return StepBatch(step=self.step, prompts=rows, gen=gen, rewards=given, timings=t, sync=sync, started=t_step)
+
+    def _generate_ahead(self) -> StepBatch:
+        """Asynchronous RL (``off_policy_steps = k > 0``, split placement): this step's batch, sampled while
+        earlier steps trained, and one more generation launched before it returns: the batch of step
+        ``s + k``, sampled with the weights of now (before step ``s``'s update) while the actor trains. So
+        a batch is at most ``k`` policy versions old (its samples carry the version that generated them).
+        Nothing is in flight at the first step (or after ``load``): its batch is generated on-policy."""
+        self._live_workers()
+        t, t_step = {}, time.perf_counter()
+        if not self._ahead:
+            self._launch(self.step)
+        while len(self._ahead) < self.config.off_policy_steps + 1:
+            self._launch(self.step + len(self._ahead))
+        step, pending, sync = self._ahead.popleft()
+        with _timer(t, "wait_generate"):  # what the trainer waited for: the generation it did not hide
+            gen = pending.result()
+        with _timer(t, "reward"):
+            given = self.rewards.score(gen["columns"], gen["completion"])
+        t["generate"] = float(gen.get("timing", 0.0) or 0.0)  # the engines' own time, overlapped with training
+        return StepBatch(step=step, prompts=pending.prompts, gen=gen, rewards=given, timings=t,
+                         sync=sync.result(self.config.timeout_s), started=t_step)
+
+    def _launch(self, step: int) -> None:
+        """Queue step ``step``'s generation on the rollout workers with the actor's weights of now (synced
+        first unless the engines hold them already)."""
+        w = self._live_workers()
+        if self._engine_version != self.step:  # the actor's gather runs now; the engines load it in turn
+            self._last_sync = w.sync_weights_async()
+            self._engine_version = self.step
+        rows = self._prompts_of(step)
+        pending = w.generate_async(rows, seed=self.config.seed * 100_003 + step, policy_version=self.step)
+        self._ahead.append((step, pending, self._last_sync))
 
     def estimate(self, batch: StepBatch) -> StepBatch:
         """What the update needs, on the workers and here: the reference's and the old policy's
@@ -228,7 +267,8 @@ class Trainer:
         if self.algo.needs_critic:
             with _timer(t, "values"):
                 tensors["values"] = w.values(tensors)
-        if c.epochs > 1 or c.minibatches > 1:  # ratio != 1 after the first optimizer step: keep pi_old
+        # ratio != 1 after the first optimizer step: keep pi_old; the off-policy correction weighs by pi_old / mu
+        if c.epochs > 1 or c.minibatches > 1 or c.offpolicy_correction is not None:
             with _timer(t, "old_logprobs"):
                 tensors["old_logprobs"] = w.old_logprobs(tensors)
         sampling_logprobs = tensors.get("old_logprobs")
@@ -237,6 +277,8 @@ class Trainer:
                 sampling_logprobs = w.old_logprobs(tensors)
         with _timer(t, "advantage"):
             batch.kl_mean = self._advantages(tensors, scores, gen, sampling_logprobs)
+        if sampling_logprobs is not None:  # the engine against the trainer, on the tokens that carry loss
+            batch.offpolicy = self._offpolicy(tensors, sampling_logprobs, gen["rollout_logprobs"], mask)
         batch.tensors, batch.estimated = tensors, True
         return batch
 
@@ -271,9 +313,13 @@ class Trainer:
     # ---- the dataflow's pieces -------------------------------------------------------------------
     def _next_prompts(self) -> list[dict[str, Any]]:
         """The next ``prompts_per_step`` rows, epoch by epoch in a seeded order (resumable from step)."""
+        return self._prompts_of(self.step)
+
+    def _prompts_of(self, step: int) -> list[dict[str, Any]]:
+        """Step ``step``'s ``prompts_per_step`` rows (0-based step)."""
         n, k = len(self.rows), self.config.prompts_per_step
         out = []
-        for i in range(self.step * k, self.step * k + k):
+        for i in range(step * k, step * k + k):
             epoch, pos = divmod(i, n)
             order = inputs.epoch_order(n, self.config.seed, epoch)
             out.append(dict(self.rows[order[pos]], _row=order[pos]))
@@ -312,6 +358,20 @@ class Trainer:
             **estimator_options(name, gamma=c.gamma, lam=c.lam))
         batch["advantages"], batch["returns"] = adv * mask, returns
         return kl_mean
+
+    def _offpolicy(self, batch: dict[str, Any], old: torch.Tensor, behaviour: torch.Tensor,
+                   mask: torch.Tensor) -> dict[str, float]:
+        """The engine/trainer mismatch metrics; with ``offpolicy_correction`` also the importance weights
+        pi_old / mu (truncated or masked, ``rlkit.algos.offpolicy``), folded into ``batch["advantages"]``."""
+        from rlkit.algos.offpolicy import importance_weights, mismatch_metrics
+
+        c = self.config
+        if c.offpolicy_correction is None:
+            return mismatch_metrics(old, behaviour, mask)
+        weights, metrics = importance_weights(old, behaviour, mask, mode=c.offpolicy_correction,
+                                              cap=c.offpolicy_cap, level=c.offpolicy_level)
+        batch["advantages"] = batch["advantages"] * weights
+        return metrics
 
     def update_settings(self):
         """The ``UpdateSettings`` the next update takes (learning rate of this step, PPO settings, loss)."""
@@ -389,6 +449,10 @@ class Trainer:
         with atomic.folder(path) as tmp:
             self.workers.save(str(tmp))
             checkpoint.write_model_config(tmp, self.model_path)
+            if self._ahead:  # asynchronous RL: the batches sampled and not yet trained, kept for an exact resume
+                torch.save([(step, pending.result(), pending.prompts, pending.policy_version,
+                             sync.result(self.config.timeout_s)) for step, pending, sync in self._ahead],
+                           tmp / AHEAD_FILE)
             if self.config.lora is not None:  # the adapters in peft's format too: PeftModel.from_pretrained(base, ...)
                 checkpoint.write_adapter(tmp / "adapter", self.workers.adapter_weights(), self.config.lora,
                                          self.model_path)
@@ -459,6 +523,11 @@ class Trainer:
             self.close()
             raise checkpoint.worker_failure(path, e) from None
         self.step, self._rows_log = state["step"], [r for r in state["rows"] if r.get("step", 0) <= state["step"]]
+        if (path / AHEAD_FILE).exists():  # asynchronous RL: the batches in flight at save, trained next as they were
+            from rlkit.workers.rl_workers import PendingBatch, SyncInFlight
+
+            for step, batch, prompts, version, sync in torch.load(path / AHEAD_FILE, weights_only=False):
+                self._ahead.append((step, PendingBatch.ready(batch, prompts, version), SyncInFlight(sync)))
         if state.get("kl_coef") is not None and hasattr(self.kl_ctl, "value"):
             self.kl_ctl.value = state["kl_coef"]
         # One truthful history: metrics.jsonl rolled back to the checkpoint at once (a crash now would leave
@@ -495,6 +564,8 @@ class Trainer:
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
+AHEAD_FILE = "ahead.pt"  # a checkpoint's batches generated ahead and not yet trained (off_policy_steps > 0)
+
 @contextmanager
 def _timer(t: dict[str, float], name: str):
     t0 = time.perf_counter()

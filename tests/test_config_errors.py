@@ -56,6 +56,10 @@ TRAINER_CONFIG_BAD = {
                            ("4k", "micro_batch_tokens='4k' must be a positive integer or None; tokens per micro-batch")],
     "lora": [(0, "LoRA r=0 must be a positive int"), ("big", "lora='big' must be a peft LoraConfig"),
              (True, "lora=True must be a peft LoraConfig")],
+    "off_policy_steps": [(-1, "off_policy_steps=-1 must be an integer >= 0"), (1.5, "off_policy_steps=1.5")],
+    "offpolicy_correction": [("tsi", "offpolicy_correction='tsi': choose one of ['tis', 'mis'] (did you mean 'tis'?)")],
+    "offpolicy_cap": [(0.0, "offpolicy_cap=0.0 must be a finite number > 0"), (-1, "offpolicy_cap=-1")],
+    "offpolicy_level": [("seq", "offpolicy_level='seq': choose one of ['token', 'sequence']")],
     "gamma": [(1.5, "gamma=1.5 must be a finite number >= 0 and <= 1")],
     "lam": [(-0.1, "lam=-0.1 must be a finite number >= 0 and <= 1")],
     "critic_lr": [(0, "critic_lr=0 must be a finite number > 0")],
@@ -378,3 +382,9 @@ def test_lora_from_a_peft_adapter_folder_is_refused(tmp_path, model, no_workers_
     with pytest.raises(TrainerError, match="is a peft adapter folder; LoRA training starts from a full model. "
                                            "Merge it first"):
         Trainer(model=str(folder), dataset=rlkit.tasks.repeat, lora=8)
+
+
+def test_async_rl_needs_split_placement(model, no_workers_start):
+    with pytest.raises(TrainerError, match="off_policy_steps=1 generates the next batches while the actor trains, on "
+                                           "rollout workers of their own: use placement='split'"):
+        Trainer(model=model, dataset=rlkit.tasks.repeat, off_policy_steps=1)

@@ -504,3 +504,43 @@ def estimate_generation(model: Any, *, gpu: str | dict = "H100", tp: int = 1, ba
         "tokens_per_s_per_gpu": batch / step / tp,
         "seconds_per_rollout_batch": step * response_len,
     }
+
+
+def estimate_rl_step(generate_s: float, update_s: float, sync_s: float = 0.0, *, devices: int = 1,
+                     rollout_devices: int | None = None, scaling: float = 1.0) -> dict[str, float]:
+    """Step time of one RL step three ways, from its phase times on all ``devices`` (measured, or from
+    ``estimate_generation`` and ``estimate_throughput``): ``generate_s`` (sampling the step's batch),
+    ``update_s`` (scoring and training on it), ``sync_s`` (moving the new weights to the engines).
+
+    * ``colocated_sync``: both phases on every device in turn (the HybridEngine): ``G + U + S``.
+    * ``split_sync``: rollout on ``rollout_devices`` of them, training on the rest, taking turns:
+      ``G_r + U_t + S``, each phase slower by its share of the devices to the power ``scaling`` (1: a
+      phase's time is inversely proportional to its devices; 0: it cannot use more than one share).
+    * ``split_one_step_off``: the same split, overlapped (``off_policy_steps=1``): ``max(G_r, U_t + S)``,
+      the sync sitting on the trainer's side (it gathers; the engines load between their generations).
+
+    Returns the three step times and ``one_step_off_vs_split_sync`` / ``one_step_off_vs_colocated`` (speed
+    ratios, > 1: one-step-off is faster). With linear scaling and the best split, one-step-off cannot beat
+    the colocated loop by more than the sync it hides: overlap wins where a phase cannot use every device.
+
+    >>> r = estimate_rl_step(10.0, 10.0, devices=2, rollout_devices=1, scaling=1.0)
+    >>> r["colocated_sync_s"], r["split_sync_s"], r["split_one_step_off_s"]
+    (20.0, 40.0, 20.0)
+    >>> round(estimate_rl_step(10.0, 10.0, devices=2, rollout_devices=1, scaling=0.0)["one_step_off_vs_colocated"], 2)
+    2.0
+    """
+    for name, value in (("generate_s", generate_s), ("update_s", update_s), ("sync_s", sync_s)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+            raise PlanError(f"{name}={value!r} must be a number of seconds >= 0")
+    rollout_devices = max(1, devices // 2) if rollout_devices is None else rollout_devices
+    if not 0 < rollout_devices < devices:
+        raise PlanError(f"rollout_devices={rollout_devices} must leave devices to train on: 1..{devices - 1} of "
+                        f"devices={devices} (split placement needs at least 2 devices)")
+    train_devices = devices - rollout_devices
+    g = generate_s * (devices / rollout_devices) ** scaling
+    u = update_s * (devices / train_devices) ** scaling
+    colocated = generate_s + update_s + sync_s
+    split_sync = g + u + sync_s
+    off = max(g, u + sync_s)
+    return {"colocated_sync_s": colocated, "split_sync_s": split_sync, "split_one_step_off_s": off,
+            "one_step_off_vs_split_sync": split_sync / off, "one_step_off_vs_colocated": colocated / off}

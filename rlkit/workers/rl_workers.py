@@ -126,14 +126,30 @@ class RLWorkers:
         """``Rollout.n`` samples of each prompt row (``{"prompt", "_row", ...}``), one batch of the run's
         ``SequenceLayout`` in prompt order, each sample tagged with ``policy_version``; the rows'
         other columns under ``"columns"`` (what reward functions get)."""
+        return self.generate_async(prompts, seed, policy_version, **overrides).result()
+
+    def generate_async(self, prompts: list[dict[str, Any]], seed: int, policy_version: int,
+                       **overrides: Any) -> PendingBatch:
+        """``generate`` in flight: the engines sample while the caller goes on (split placement: the rollout
+        workers, while the actor's workers train); ``.result()`` waits (bounded by ``timeout_s``)."""
         request = {"prompt": [p["prompt"] for p in prompts], "uid": list(range(len(prompts))),
                    "row": [p["_row"] for p in prompts]}
         group = self.rollout_group or self.group
         method = RolloutWorker.generate if self.rollout_group is not None else RLWorker.generate
-        parts = group.call_dp(method, request, seed, timeout=self.timeout_s, **overrides)
-        batch = concat_batches(parts) if isinstance(parts, list) else parts
-        batch["columns"] = {k: [prompts[u][k] for u in batch["uid"]] for k in prompts[0] if k != "_row"}
-        return self.layout.stamp_version(batch, policy_version)
+        future = group.call_dp_async(method, request, seed, **overrides)
+        return PendingBatch(self, future, prompts, policy_version)
+
+    def sync_weights_async(self) -> Any:
+        """Split placement: gather the actor's weights now (a collective on the actor's group, which waits for
+        it) and queue their load on the rollout workers, behind the generations already queued there and
+        ahead of the next; returns the load's future (its reports). Colocated: ``sync_weights``, done."""
+        if self.rollout_group is None:
+            return SyncInFlight(self.sync_weights())
+        import ray
+
+        sent = self.group.call(RLWorker.send_weights, timeout=self.timeout_s)
+        state = ray.put(sent[0][0])
+        return SyncInFlight([report for _, report in sent], self.rollout_group.call_async(RolloutWorker.load_weights, state))
 
     def ref_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
         """The reference model's log-probs of the response tokens."""
@@ -234,3 +250,43 @@ def shutdown_groups(groups: list[Any]) -> None:
 
 
 __all__ = ["RLWorkers", "shutdown_groups", "start_finalizer"]
+
+
+class PendingBatch:
+    """A generation in flight (``RLWorkers.generate_async``); ``result()`` gives ``generate``'s batch."""
+
+    def __init__(self, workers: RLWorkers, future: Any, prompts: list[dict[str, Any]], policy_version: int):
+        self.workers, self.future, self.prompts, self.policy_version = workers, future, prompts, policy_version
+        self._batch: dict[str, Any] | None = None
+
+    @classmethod
+    def ready(cls, batch: dict[str, Any], prompts: list[dict[str, Any]], policy_version: int) -> PendingBatch:
+        """One already generated (a checkpoint's batch in flight at save)."""
+        out = cls(None, None, prompts, policy_version)
+        out._batch = batch
+        return out
+
+    def done(self) -> bool:
+        return self._batch is not None or self.future.done()
+
+    def result(self) -> dict[str, Any]:
+        if self._batch is None:
+            parts = self.future.result(self.workers.timeout_s)
+            batch = concat_batches(parts) if isinstance(parts, list) else parts
+            prompts = self.prompts
+            batch["columns"] = {k: [prompts[u][k] for u in batch["uid"]] for k in prompts[0] if k != "_row"}
+            self._batch = self.workers.layout.stamp_version(batch, self.policy_version)
+        return self._batch
+
+
+class SyncInFlight:
+    """A sync's reports: the actor side's at once, the rollout side's when its queued load has run."""
+
+    def __init__(self, reports: list[SyncReport], later: Any = None):
+        self.reports, self.later = reports, later
+
+    def result(self, timeout: float | None = None) -> list[SyncReport]:
+        if self.later is not None:
+            self.reports = self.reports + list(self.later.result(timeout))
+            self.later = None
+        return self.reports
