@@ -196,8 +196,17 @@ class Trainer:
         Ctrl-C during ``fit`` gave the step up before its update began)."""
         batch = self.generate()
         if self._stop is not None and self._stop.requested:  # a safe point: nothing trained yet
+            if self.config.off_policy_steps:  # asynchronous RL: the batch stays first in line, trained next
+                self._put_back(batch)
             return None
         return self.update(self.estimate(batch))
+
+    def _put_back(self, batch: StepBatch) -> None:
+        from rlkit.workers.rl_workers import PendingBatch, SyncInFlight
+
+        version = int(batch.gen["policy_version"][0])
+        self._ahead.appendleft((batch.step, PendingBatch.ready(batch.gen, batch.prompts, version),
+                                SyncInFlight(batch.sync)))
 
     # ---- one step, in three calls (a notebook can run each in its own cell) ------------------------
     def generate(self, prompts: Sequence[dict[str, Any]] | None = None) -> StepBatch:

@@ -123,6 +123,9 @@ def test_one_step_off_trains_every_batch_once_within_the_bound_and_resumes_exact
         assert first["offpolicy/staleness_max"].tolist() == [0.0, 1.0]  # then one version old, never more
         assert len(tr._ahead) == 1 and tr._ahead[0][0] == 2  # step 3's batch is sampling (or sampled)
         tr.save(tmp_path / "ckpt")
+        # a step given up before its update (Ctrl-C in fit) puts its batch back: it is trained next, once
+        given_up = tr.generate()
+        tr._put_back(given_up)
         rest = tr.fit(steps=2, view="none").iloc[2:]
         assert rest["offpolicy/staleness_max"].tolist() == [1.0, 1.0]
         # each step trained on its own prompts, in order: the rows of steps 1..4, each once
