@@ -177,7 +177,20 @@ class TrainerConfig:
                               clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
                               loss_agg=self.loss_agg, kl_loss_coef=0.0 if self.kl_in_reward else self.kl_coef,
                               kl_kind=self.kl_kind, entropy_coef=self.entropy_coef, value_clip=self.value_clip,
+                              offpolicy=({"mode": self.offpolicy_correction, "cap": self.offpolicy_cap,
+                                          "level": self.offpolicy_level} if self.fused_offpolicy() else None),
                               **extra)
+
+    def fused_offpolicy(self) -> bool:
+        """Whether the off-policy correction runs inside the update, on pi_old from the update's own forward
+        (no scoring pass before it): one optimizer step per batch (``epochs = minibatches = 1``, so the
+        update's first forward is pi_old) and no KL in the reward (which needs pi_old before the advantages).
+
+        >>> TrainerConfig(offpolicy_correction="tis").fused_offpolicy(), TrainerConfig(offpolicy_correction="tis", epochs=2).fused_offpolicy()
+        (True, False)
+        """
+        return (self.offpolicy_correction is not None and self.epochs == 1 and self.minibatches == 1
+                and not (self.kl_coef > 0 and self.kl_in_reward))
 
 
 __all__ = ["TrainerConfig"]

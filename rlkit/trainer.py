@@ -276,8 +276,12 @@ class Trainer:
         if self.algo.needs_critic:
             with _timer(t, "values"):
                 tensors["values"] = w.values(tensors)
-        # ratio != 1 after the first optimizer step: keep pi_old; the off-policy correction weighs by pi_old / mu
-        if c.epochs > 1 or c.minibatches > 1 or c.offpolicy_correction is not None:
+        # ratio != 1 after the first optimizer step: keep pi_old; the off-policy correction weighs by pi_old / mu,
+        # inside the update when its own forward is pi_old (one optimizer step per batch: no pass here)
+        fused = c.fused_offpolicy()
+        if fused:
+            tensors["behaviour_logprobs"] = gen["rollout_logprobs"]
+        if c.epochs > 1 or c.minibatches > 1 or (c.offpolicy_correction is not None and not fused):
             with _timer(t, "old_logprobs"):
                 tensors["old_logprobs"] = w.old_logprobs(tensors)
         sampling_logprobs = tensors.get("old_logprobs")
@@ -308,6 +312,8 @@ class Trainer:
                 critic = w.update_critic(batch.tensors, settings)
         with _timer(t, "update"):
             actor = w.update_actor(batch.tensors, settings)
+        for key in [k for k in actor if k.startswith("actor/offpolicy/")]:  # the correction taken in the update
+            batch.offpolicy[key.removeprefix("actor/")] = actor.pop(key)
         self.step += 1
         row = batch.metrics_row(self.step, self.layout, settings, actor, critic)
         self._log(row, batch.prompts, batch.gen, batch.rewards)

@@ -66,10 +66,10 @@ def test_no_mismatch_means_no_metric():
                  "offpolicy/ratio_max": 1.0}
 
 
-def _run(tmp_path, name, steps=3, rollout_dtype="float32", **kw):
+def _run(tmp_path, name, steps=3, rollout_dtype="float32", epochs=2, **kw):
     tr = Trainer(model=tiny_lm("qwen2", size="small"), dataset=rlkit.tasks.repeat, algorithm="grpo",
                  rollout=rlkit.Rollout(engine="hf", n=4, max_new_tokens=12, dtype=rollout_dtype),
-                 prompts_per_step=4, lr=2e-3, seed=0, epochs=2, run_dir=str(tmp_path / name), **kw)
+                 prompts_per_step=4, lr=2e-3, seed=0, epochs=epochs, run_dir=str(tmp_path / name), **kw)
     try:
         return tr.fit(steps=steps, view="none")
     finally:
@@ -98,6 +98,24 @@ def test_a_bf16_engine_shows_a_measurable_mismatch(tmp_path):
     assert bf16["offpolicy/max_abs_dlogp"].min() > 1e-3 > 100 * fp32["offpolicy/max_abs_dlogp"].max()
     assert bf16["offpolicy/kl"].min() > 1e3 * max(fp32["offpolicy/kl"].max(), 1e-12)
     assert bf16["offpolicy/truncated_frac"].max() > 0
+
+
+@pytest.mark.parametrize("mode,level,cap", [("tis", "token", 1.002), ("mis", "sequence", 1.01)])
+def test_the_correction_inside_the_update_equals_the_separate_scoring_pass(tmp_path, monkeypatch, mode, level, cap):
+    """One optimizer step per batch: the update's own forward is pi_old, so the weights pi_old / mu are taken
+    there and the scoring pass before the update is dropped. A bf16 engine (a real mismatch, caps that bite)
+    against the same run made to take the separate pass: the same samples, losses and mismatch metrics."""
+    kw = dict(epochs=1, rollout_dtype="bfloat16", offpolicy_correction=mode, offpolicy_cap=cap, offpolicy_level=level)
+    fused = _run(tmp_path, "fused", steps=3, **kw)
+    monkeypatch.setattr(rlkit.TrainerConfig, "fused_offpolicy", lambda self: False)
+    scored = _run(tmp_path, "scored", steps=3, **kw)
+    assert "timing/old_logprobs" not in fused and scored["timing/old_logprobs"].notna().all()
+    assert fused["reward/mean"].tolist() == scored["reward/mean"].tolist()
+    assert fused["offpolicy/truncated_frac"].max() > 0  # the cap bites: the weights are not all 1
+    for col in ("actor/loss", "actor/grad_norm", "offpolicy/kl", "offpolicy/max_abs_dlogp", "offpolicy/ratio_mean",
+                "offpolicy/ratio_max", "offpolicy/truncated_frac", "offpolicy/weight_mean"):
+        assert (fused[col] - scored[col]).abs().max() <= 1e-4 * max(scored[col].abs().max(), 1e-3), (col, fused[col],
+                                                                                                    scored[col])
 
 
 # ---- one-step-off asynchronous RL (split placement, real Ray workers) -----------------------------------------

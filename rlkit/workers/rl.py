@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from rlkit.algos import call_policy_loss, entropy_bonus, kl_loss, masked_mean, policy_loss, value_loss
+from rlkit.algos.offpolicy import importance_weights
 from rlkit.parallel import ParallelModel
 from rlkit.parallel.groups import build_generation_groups, build_groups
 from rlkit.parallel.lora import scaling
@@ -65,6 +66,9 @@ class UpdateSettings:
     entropy_coef: float = 0.0
     value_clip: float | None = 0.2
     policy_loss: Callable[..., Any] = policy_loss
+    # the off-policy correction taken inside the update (pi_old from its own forward): None, or
+    # {"mode": "tis" | "mis", "cap": float, "level": "token" | "sequence"} (rlkit.algos.offpolicy)
+    offpolicy: dict[str, Any] | None = None
 
 
 class SyncReport(TypedDict, total=False):
@@ -304,11 +308,18 @@ def actor_loss(layout: SequenceLayout, out: dict[str, torch.Tensor], mb: dict[st
 
     ``out``: the actor's per-token ``logprobs`` / ``entropy`` (full width); ``mb``: the micro-batch.
     Without ``old_logprobs`` (one optimizer step per batch) the ratio is 1 and its gradient the policy
-    gradient."""
+    gradient; with ``settings.offpolicy`` and the engine's ``behaviour_logprobs`` the advantages are weighted
+    by ``pi_old / mu`` taken from this forward (``rlkit.algos.offpolicy``), its metrics under ``offpolicy/``."""
     lp, mask = layout.response(out["logprobs"]), layout.loss_mask(mb)
     old = mb["old_logprobs"] if "old_logprobs" in mb else lp.detach()
-    loss, m = call_policy_loss(settings.policy_loss, lp, old, mb["advantages"], mask, clip_low=settings.clip_low,
-                               clip_high=settings.clip_high, dual_clip=settings.dual_clip, agg=settings.loss_agg)
+    advantages, m = mb["advantages"], {}
+    if settings.offpolicy is not None and "behaviour_logprobs" in mb:
+        # one optimizer step per batch: this forward is pi_old, so the weights pi_old / mu need no pass of their own
+        weights, m = importance_weights(old, mb["behaviour_logprobs"], mask, **settings.offpolicy)
+        advantages = advantages * weights
+    loss, pm = call_policy_loss(settings.policy_loss, lp, old, advantages, mask, clip_low=settings.clip_low,
+                                clip_high=settings.clip_high, dual_clip=settings.dual_clip, agg=settings.loss_agg)
+    m.update(pm)
     m["pg_loss"] = loss.item()
     if settings.kl_loss_coef and "ref_logprobs" in mb:
         kl = kl_loss(lp, mb["ref_logprobs"], mask, kind=settings.kl_kind, agg=settings.loss_agg)
@@ -353,6 +364,16 @@ def _rss_gb() -> float:
 WEIGHT = "_loss_weight"  # a metrics dict's weight in averages over micro-batches and DP ranks
 
 
+def is_maximum(key: str) -> bool:
+    """An off-policy metric that is a largest value (``offpolicy/ratio_max``, ``offpolicy/max_abs_dlogp``):
+    combined over micro-batches and DP ranks by ``max``, where the others take a weighted mean.
+
+    >>> is_maximum("actor/offpolicy/ratio_max"), is_maximum("actor/offpolicy/kl"), is_maximum("actor/ratio_max")
+    (True, False, False)
+    """
+    return "offpolicy/" in key and "max" in key.rsplit("/", 1)[-1]
+
+
 def loss_weight(mb: dict[str, Any], agg: str) -> float:
     """A micro-batch's share of a minibatch's loss aggregated by ``agg`` (``rlkit.algos.aggregate``): its
     loss tokens for ``token-mean``, else its sequences that carry loss. Weighted so, the micro-batches'
@@ -394,6 +415,9 @@ def _summarize(results: list[dict[str, float]], stats: list[dict[str, float]], r
     for k in sorted(keys):  # stats exist on the last pipeline stage (where the loss runs)
         part = [s for s in stats if k in s]
         weight = sum(s[WEIGHT] for s in part)
+        if is_maximum(k):
+            out[f"{role}/{k}"] = max(float(s[k]) for s in part)
+            continue
         out[f"{role}/{k}"] = (sum(float(s[k]) * s[WEIGHT] for s in part) / weight if weight > 0
                               else sum(float(s[k]) for s in part) / len(part))
     if stats:

@@ -29,7 +29,7 @@ from rlkit.workers.base import BaseWorkerGroup
 from rlkit.workers.batch import batch_size, concat_batches, take_rows
 from rlkit.workers.layout import SequenceLayout
 from rlkit.workers.placement import Placement
-from rlkit.workers.rl import WEIGHT, RLWorker, RolloutWorker, SyncReport, UpdateSettings
+from rlkit.workers.rl import WEIGHT, RLWorker, RolloutWorker, SyncReport, UpdateSettings, is_maximum
 
 
 class RLWorkers:
@@ -225,6 +225,9 @@ def _mean_dicts(parts: Any) -> dict[str, float]:
     out = {}
     for k in sorted(keys):
         have = [p for p in parts if k in p]
+        if is_maximum(k):
+            out[k] = max(p[k] for p in have)
+            continue
         weights = [p.get(WEIGHT, 1.0) for p in have]
         if sum(weights) <= 0:
             weights = [1.0] * len(have)
