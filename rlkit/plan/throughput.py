@@ -30,7 +30,7 @@ FSDP run, 500 W, eager kernels) and ``GEMM_HALF_N`` (440). The validation row, K
 the NCCL factor (0.8) and the kernel traffic are priors, not fitted here (a free fit of ``GEMM_HALF_M`` on
 the fit rows runs to 0: three of the four sit at 2048 tokens per micro-batch). Errors: fit rows mean
 |error| 0.8%, worst 1.6% (in-sample; the H100 row is one row for one constant, so ~0 by construction);
-validation row -1.0% (held out). GPUs without a published anchor (B200, MI300X, L40S) take the plateau of
+validation row -1.0% (held out). GPUs without a published anchor (B200, H20, MI300X, L40S) take the plateau of
 their generation's peer.
 Pass ``mfu=`` to replace the calibrated efficiency by one flat fraction of peak for every kernel.
 
@@ -65,6 +65,9 @@ GPUS: dict[str, dict[str, float]] = {
     "H100": {"bf16_flops": 989e12, "hbm_bw": 3.35e12, "memory": 80e9, "gemm_efficiency": GEMM_PLATEAU["H100"]},
     "H200": {"bf16_flops": 989e12, "hbm_bw": 4.8e12, "memory": 141e9, "gemm_efficiency": GEMM_PLATEAU["H100"]},
     "B200": {"bf16_flops": 2250e12, "hbm_bw": 8.0e12, "memory": 180e9, "gemm_efficiency": GEMM_PLATEAU["H100"]},
+    # H20 (Hopper, export part; verl's async runs): 148 TFLOP/s dense BF16, 4.0 TB/s HBM3, 96 GB, NVIDIA's
+    # figures as third-party spec pages list them (e.g. willitrunai.com/gpus/h20-96gb)
+    "H20": {"bf16_flops": 148e12, "hbm_bw": 4.0e12, "memory": 96e9, "gemm_efficiency": GEMM_PLATEAU["H100"]},
     "L40S": {"bf16_flops": 362e12, "hbm_bw": 0.864e12, "memory": 48e9, "gemm_efficiency": GEMM_PLATEAU["A100"]},
     "MI300X": {"bf16_flops": 1307e12, "hbm_bw": 5.3e12, "memory": 192e9, "gemm_efficiency": GEMM_PLATEAU["H100"]},
 }
@@ -506,41 +509,188 @@ def estimate_generation(model: Any, *, gpu: str | dict = "H100", tp: int = 1, ba
     }
 
 
+OLD_LOGPROB_IN = ("off_policy", "sync", "all")   # which loops pay the separate pi_old scoring pass
+
+
+def _seconds(name: str, value: Any) -> float:
+    """``value`` as seconds: a finite number >= 0, else a PlanError naming it."""
+    import math
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or not math.isfinite(value):
+        raise PlanError(f"{name}={value!r} must be a finite number of seconds >= 0")
+    return float(value)
+
+
 def estimate_rl_step(generate_s: float, update_s: float, sync_s: float = 0.0, *, devices: int = 1,
-                     rollout_devices: int | None = None, scaling: float = 1.0) -> dict[str, float]:
-    """Step time of one RL step three ways, from its phase times on all ``devices`` (measured, or from
-    ``estimate_generation`` and ``estimate_throughput``): ``generate_s`` (sampling the step's batch),
-    ``update_s`` (scoring and training on it), ``sync_s`` (moving the new weights to the engines).
+                     rollout_devices: int | None = None, scaling: float = 1.0, old_logprob_s: float = 0.0,
+                     old_logprob_in: str = "off_policy", tail_s: float = 0.0,
+                     staleness: int | None = None) -> dict[str, float]:
+    """Step time of one RL step three (or four) ways, from its phase times on all ``devices`` (measured, or
+    from ``predict_rl_step``): ``generate_s`` (sampling the step's batch), ``update_s`` (scoring and training
+    on it), ``sync_s`` (moving the new weights to the engines).
 
     * ``colocated_sync``: both phases on every device in turn (the HybridEngine): ``G + U + S``.
     * ``split_sync``: rollout on ``rollout_devices`` of them, training on the rest, taking turns:
       ``G_r + U_t + S``, each phase slower by its share of the devices to the power ``scaling`` (1: a
       phase's time is inversely proportional to its devices; 0: it cannot use more than one share).
-    * ``split_one_step_off``: the same split, overlapped (``off_policy_steps=1``): ``max(G_r, U_t + S)``,
+    * ``split_one_step_off``: the same split, overlapped (``off_policy_steps=1``): ``max(G_r, U_t + O_t + S)``,
       the sync sitting on the trainer's side (it gathers; the engines load between their generations).
+    * ``fully_async`` (only with ``staleness=k``): streaming generation with partial rollouts (verl's
+      fully async trainer, AReaL): the engines never wait for a batch's longest response, since the next
+      prompts fill the freed slots and a response cut by a sync carries on under the new weights. The
+      tail stops costing time until a response must finish within ``k`` policy versions:
+      ``max(W_r, U_t + O_t + S, T / k)``, ``T = tail_s``, ``W_r`` the parallel part of ``G_r``.
 
-    Returns the three step times and ``one_step_off_vs_split_sync`` / ``one_step_off_vs_colocated`` (speed
-    ratios, > 1: one-step-off is faster). With linear scaling and the best split, one-step-off cannot beat
-    the colocated loop by more than the sync it hides: overlap wins where a phase cannot use every device.
+    The long tail: ``tail_s`` (a part of ``generate_s``) is the time the batch waits for its longest
+    responses after the rest finished, decoded one token at a time whatever the devices: it does not
+    shrink on more devices nor grow on fewer, so ``G_r = (G - T) x (devices / rollout_devices)^scaling + T``.
+    ``predict_rl_step`` estimates it from the longest response's length.
+
+    The pi_old pass: ``old_logprob_s`` (seconds on all devices, scaled like ``update_s``) is a separate
+    scoring pass for pi_old before the update, and ``old_logprob_in`` says which loops pay it:
+
+    * ``"off_policy"`` (default): only one-step-off and fully async. With one optimizer step per batch the
+      synchronous update needs no pi_old (the ratio is 1), while the off-policy correction (TIS/MIS
+      weights pi_old / mu) needs pi_old of the trainer's weights before the update: a scoring pass of its
+      own unless the update's first forward supplies it. rlkit took that pass before 9ac7e94 (the
+      bench_async.py measurements); it now takes pi_old from the update's forward when
+      ``TrainerConfig.fused_offpolicy()`` (correction on, ``epochs = minibatches = 1``, no KL in the
+      reward): pass ``old_logprob_s=0`` for that.
+    * ``"all"``: every loop (``epochs > 1`` or ``minibatches > 1``: PPO's ratio needs pi_old before the
+      first optimizer step; or a KL penalty in the reward; verl's one-step-off recipe, 16 PPO
+      mini-batches a step).
+    * ``"sync"``: the synchronous loops only (verl's fully async trainer takes pi_old from the rollout's
+      log-probs, ``use_rollout_log_probs``, and skips the pass its colocated baseline pays).
+
+    Returns the step times (``colocated_sync_s``, ``split_sync_s``, ``split_one_step_off_s`` and, with
+    ``staleness``, ``fully_async_s``) and speed ratios (> 1: the async loop is faster):
+    ``one_step_off_vs_split_sync``, ``one_step_off_vs_colocated`` (and ``fully_async_vs_colocated``). With
+    linear scaling, no tail and the best split, one-step-off cannot beat the colocated loop by more than
+    the sync it hides: overlap wins where a phase cannot use every device.
 
     >>> r = estimate_rl_step(10.0, 10.0, devices=2, rollout_devices=1, scaling=1.0)
     >>> r["colocated_sync_s"], r["split_sync_s"], r["split_one_step_off_s"]
     (20.0, 40.0, 20.0)
     >>> round(estimate_rl_step(10.0, 10.0, devices=2, rollout_devices=1, scaling=0.0)["one_step_off_vs_colocated"], 2)
     2.0
+
+    A pi_old pass of 3 s (6 s on the trainer's half) lengthens only the one-step-off trainer's side,
+    ``max(2 x 4, 2 x 9 + 2 x 3 + 2)``. A 3 s tail of a 4 s generation makes it ``1 x 2 + 3`` on half the
+    devices; streaming hides the tail down to ``3 / k``:
+
+    >>> r = estimate_rl_step(4.0, 9.0, 2.0, devices=2, rollout_devices=1, old_logprob_s=3.0)
+    >>> r["colocated_sync_s"], r["split_sync_s"], r["split_one_step_off_s"]
+    (15.0, 28.0, 26.0)
+    >>> estimate_rl_step(4.0, 1.0, devices=2, rollout_devices=1, tail_s=3.0, staleness=1)["fully_async_s"]
+    3.0
     """
-    for name, value in (("generate_s", generate_s), ("update_s", update_s), ("sync_s", sync_s)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
-            raise PlanError(f"{name}={value!r} must be a number of seconds >= 0")
+    generate_s, update_s, sync_s = (_seconds(n, v) for n, v in
+                                    (("generate_s", generate_s), ("update_s", update_s), ("sync_s", sync_s)))
+    old_logprob_s, tail_s = _seconds("old_logprob_s", old_logprob_s), _seconds("tail_s", tail_s)
+    if tail_s > generate_s:
+        raise PlanError(f"tail_s={tail_s!r} is part of generate_s={generate_s!r}: it cannot be longer")
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 <= scaling < float("inf"):
+        raise PlanError(f"scaling={scaling!r} must be a finite number >= 0 (1: linear in the devices; 0: flat)")
+    if old_logprob_in not in OLD_LOGPROB_IN:
+        raise PlanError(f"old_logprob_in={old_logprob_in!r} must be one of {list(OLD_LOGPROB_IN)}")
+    if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 1):
+        raise PlanError(f"staleness={staleness!r} must be a positive integer (policy versions a response may span)"
+                        f" or None")
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise PlanError(f"devices={devices!r} must be a positive integer")
     rollout_devices = max(1, devices // 2) if rollout_devices is None else rollout_devices
-    if not 0 < rollout_devices < devices:
-        raise PlanError(f"rollout_devices={rollout_devices} must leave devices to train on: 1..{devices - 1} of "
+    if isinstance(rollout_devices, bool) or not isinstance(rollout_devices, int) or not 0 < rollout_devices < devices:
+        raise PlanError(f"rollout_devices={rollout_devices!r} must leave devices to train on: 1..{devices - 1} of "
                         f"devices={devices} (split placement needs at least 2 devices)")
     train_devices = devices - rollout_devices
-    g = generate_s * (devices / rollout_devices) ** scaling
+    work = (generate_s - tail_s) * (devices / rollout_devices) ** scaling
+    g = work + tail_s
     u = update_s * (devices / train_devices) ** scaling
-    colocated = generate_s + update_s + sync_s
-    split_sync = g + u + sync_s
-    off = max(g, u + sync_s)
-    return {"colocated_sync_s": colocated, "split_sync_s": split_sync, "split_one_step_off_s": off,
-            "one_step_off_vs_split_sync": split_sync / off, "one_step_off_vs_colocated": colocated / off}
+    o = old_logprob_s * (devices / train_devices) ** scaling
+    o_sync, o_off = (o if old_logprob_in in ("sync", "all") else 0.0), (o if old_logprob_in != "sync" else 0.0)
+    colocated = generate_s + update_s + sync_s + (old_logprob_s if old_logprob_in in ("sync", "all") else 0.0)
+    split_sync = g + u + o_sync + sync_s
+    off = max(g, u + o_off + sync_s)
+    out = {"colocated_sync_s": colocated, "split_sync_s": split_sync, "split_one_step_off_s": off,
+           "one_step_off_vs_split_sync": split_sync / off, "one_step_off_vs_colocated": colocated / off}
+    if staleness is not None:
+        full = max(work, u + o_off + sync_s, tail_s / staleness)
+        out.update(fully_async_s=full, fully_async_vs_colocated=colocated / full)
+    return out
+
+
+def predict_rl_step(model: Any, *, gpu: str | dict = "H100", devices: int, rollout_devices: int | None = None,
+                    batch: int, prompt_len: int = 512, response_len: int = 512, max_response_len: int | None = None,
+                    rollout_tp: int = 1, token_budget: int | None = None, minibatches: int = 1,
+                    recompute: str = "none", old_logprob: str = "none", sync_s: float = 0.0, scaling: float = 1.0,
+                    staleness: int | None = None, network: str = "nvlink+ib", devices_per_node: int = 8,
+                    decode_mfu: float = 0.4, mfu: float | None = None) -> dict[str, Any]:
+    """``estimate_rl_step`` of ``model`` with its phase times estimated on all ``devices`` of ``gpu``:
+    ``batch`` responses a step (prompts x samples per prompt), ``prompt_len`` tokens of prompt and
+    ``response_len`` of response on average.
+
+    * generation (``estimate_generation``): ``devices // rollout_tp`` engines of ``rollout_tp`` GPUs, each
+      decoding ``ceil(batch / engines)`` responses of the mean length at ``decode_mfu``; plus, when
+      ``max_response_len`` is longer, the tail: the longest response decoding alone from the mean length
+      to its end at one sequence's latency (``estimate_generation(batch=1)``). One response left alone is
+      the least tail a batch with such a response can have: a lower bound.
+    * update (``estimate_throughput``): FSDP over all devices (``ParallelPlan(dp=devices)``), ``batch``
+      sequences of ``prompt_len + response_len`` tokens in ``minibatches`` optimizer steps (PPO
+      mini-batches: each gathers the weights and reduces the gradients again), in padding-free
+      micro-batches of ``token_budget`` tokens (``None``: one sequence each); ``recompute`` as there
+      (verl's ``enable_gradient_checkpointing`` is ``"full"``). The optimizer's own time is left out.
+    * pi_old (``old_logprob``): "none", or which loops pay a separate scoring pass (``old_logprob_in`` of
+      ``estimate_rl_step``: "off_policy", "sync", "all"), costed as a third of one pass of forward and
+      backward over the whole batch without recompute (a forward: a third of the FLOPs).
+
+    ``sync_s``, ``scaling`` and ``staleness`` go to ``estimate_rl_step`` as they are. Returns its dict with
+    the phases: ``generate_s`` (the tail included), ``tail_s``, ``update_s``, ``old_logprob_s``.
+
+    >>> r = predict_rl_step("qwen2.5-7b", gpu="H100", devices=16, rollout_devices=8, batch=1024,
+    ...                     prompt_len=256, response_len=1024, max_response_len=8192, token_budget=16384,
+    ...                     old_logprob="off_policy")
+    >>> {k: round(r[k]) for k in ("generate_s", "tail_s", "update_s", "old_logprob_s")}
+    {'generate_s': 48, 'tail_s': 41, 'update_s': 8, 'old_logprob_s': 3}
+
+    The 41 s tail (7168 tokens after the mean at ~5.7 ms each) does not halve with the devices, so the
+    split's generation, ``2 x 7 + 41``, is the one-step-off step:
+
+    >>> {k: round(r[k]) for k in ("colocated_sync_s", "split_sync_s", "split_one_step_off_s")}
+    {'colocated_sync_s': 56, 'split_sync_s': 71, 'split_one_step_off_s': 55}
+    """
+    from rlkit.plan.topology import ParallelPlan
+
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise PlanError(f"devices={devices!r} must be a positive integer")
+    if isinstance(rollout_tp, bool) or not isinstance(rollout_tp, int) or rollout_tp < 1 or devices % rollout_tp:
+        raise PlanError(f"rollout_tp={rollout_tp!r} must be a positive integer dividing devices={devices}")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise PlanError(f"batch={batch!r} must be a positive integer (responses per step)")
+    if isinstance(minibatches, bool) or not isinstance(minibatches, int) or minibatches < 1 or batch % minibatches:
+        raise PlanError(f"minibatches={minibatches!r} must be a positive integer dividing batch={batch}")
+    if old_logprob != "none" and old_logprob not in OLD_LOGPROB_IN:
+        raise PlanError(f"old_logprob={old_logprob!r} must be 'none' or one of {list(OLD_LOGPROB_IN)}")
+    longest = response_len if max_response_len is None else max_response_len
+    if isinstance(longest, bool) or not isinstance(longest, int) or longest < response_len:
+        raise PlanError(f"max_response_len={max_response_len!r} must be an integer >= response_len={response_len!r}")
+    engines = devices // rollout_tp
+    gen = estimate_generation(model, gpu=gpu, tp=rollout_tp, batch=-(-batch // engines), prompt_len=prompt_len,
+                              response_len=response_len, mfu=decode_mfu)["seconds_per_rollout_batch"]
+    tail = 0.0
+    if longest > response_len:
+        alone = estimate_generation(model, gpu=gpu, tp=rollout_tp, batch=1, prompt_len=prompt_len,
+                                    response_len=longest, mfu=decode_mfu)["step_s"]
+        tail = (longest - response_len) * alone
+    plan = ParallelPlan(dp=devices, devices_per_node=min(devices, devices_per_node))
+    kw = dict(seq_len=prompt_len + response_len, gpu=gpu, network=network, mfu=mfu, token_budget=token_budget)
+    update = minibatches * estimate_throughput(plan, model, recompute=recompute, global_batch=batch // minibatches,
+                                               **kw)["step_s"]
+    forward = 0.0
+    if old_logprob != "none":
+        forward = estimate_throughput(plan, model, recompute="none", global_batch=batch, **kw)["step_s"] / 3
+    phases = {"generate_s": gen + tail, "tail_s": tail, "update_s": update, "old_logprob_s": forward}
+    step = estimate_rl_step(gen + tail, update, sync_s, devices=devices, rollout_devices=rollout_devices,
+                            scaling=scaling, old_logprob_s=forward,
+                            old_logprob_in="off_policy" if old_logprob == "none" else old_logprob,
+                            tail_s=tail, staleness=staleness)
+    return {**phases, **step}
