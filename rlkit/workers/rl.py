@@ -20,6 +20,7 @@ workers. Two layouts:
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from rlkit.plan.topology import ParallelPlan
 from rlkit.rollout import Rollout, make_engine
 from rlkit.workers.hybrid import HybridRollout
 from rlkit.workers.layout import SequenceLayout, generate_batch
+from rlkit.workers.weight_channel import Meta, WeightChannel
 
 
 @dataclass(frozen=True)
@@ -211,13 +213,30 @@ class RLWorker:
         return _epochs(self.critic, batch, settings, loss_fn, stats, "critic", "token-mean")
 
     # ---- weights out ---------------------------------------------------------------------------
-    def send_weights(self) -> tuple[dict[str, torch.Tensor] | None, SyncReport]:
+    def host_weight_channel(self, receivers: int, timeout_s: float) -> tuple[str, int] | None:
+        """Split placement, rank 0: host the store of the weight channel to ``receivers`` rollout workers;
+        its address (None on the other ranks). ``join_weight_channel`` follows, beside the receivers'."""
+        if self.rank != 0:
+            return None
+        self._channel_store, address = WeightChannel.host(receivers, timeout_s)
+        self._channel_args = dict(rank=0, size=receivers + 1, timeout_s=timeout_s, store=self._channel_store)
+        return address
+
+    def join_weight_channel(self) -> None:
+        """Rank 0's end of the weight channel (a collective with the rollout workers' ``join_weight_channel``)."""
+        if self.rank == 0:
+            self.channel = WeightChannel.join("", 0, **self._channel_args)
+
+    def send_weights(self) -> tuple[Meta | None, SyncReport]:
         """For a rollout group of its own (split placement): ``full_weights`` (with LoRA ``adapter_weights``)
-        and this rank's part of the sync. A collective."""
+        gathered to rank 0, which sends them on the weight channel in buckets, from a thread, while the
+        caller goes on; rank 0 returns their meta (``RolloutWorker.receive_weights`` takes them), every rank
+        its part of the sync. A collective."""
         t0 = time.perf_counter()
         sd = self.full_weights() if self.actor.lora is None else self.adapter_weights()
-        return sd, SyncReport(bytes=self.actor.last_transfer.get("bytes", 0.0), seconds=time.perf_counter() - t0,
-                              rss_gb=_rss_gb())
+        meta = None if sd is None else self.channel.send(sd.items())
+        return meta, SyncReport(bytes=self.actor.last_transfer.get("bytes", 0.0), seconds=time.perf_counter() - t0,
+                                rss_gb=_rss_gb())
 
     def full_weights(self) -> dict[str, torch.Tensor] | None:
         """Full HF-named actor weights on rank 0 (None elsewhere). A collective."""
@@ -284,14 +303,20 @@ class RolloutWorker:
         return generate_batch(self.engine, self.layout, prompts, self.layout.rank_seed(seed, self.dp_rank),
                               **overrides)
 
-    def load_weights(self, state: dict[str, torch.Tensor]) -> SyncReport:
-        """The actor's full weights, or with LoRA its adapters (merged here into the engine's base)."""
+    def join_weight_channel(self, ip: str, port: int, size: int, timeout_s: float) -> None:
+        """This worker's end of the weight channel from the actor's rank 0 (``RLWorker.host_weight_channel``)."""
+        self.channel = WeightChannel.join(ip, port, rank=self.dp_rank + 1, size=size, timeout_s=timeout_s)
+
+    def receive_weights(self, meta: Meta) -> SyncReport:
+        """The actor's full weights, or with LoRA its adapters (merged here into the engine's base), off the
+        weight channel (``RLWorker.send_weights`` sent them), into the engine."""
         t0 = time.perf_counter()
+        named = self.channel.receive(meta)
         if self.lora_scaling is not None:
-            self.engine.load_lora(state.items(), self.lora_scaling)
+            self.engine.load_lora(named, self.lora_scaling)
         else:
-            self.engine.load_weights(state.items())
-        return SyncReport(bytes=float(sum(t.numel() * t.element_size() for t in state.values())),
+            self.engine.load_weights(named)
+        return SyncReport(bytes=float(sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in meta)),
                           seconds=time.perf_counter() - t0, rss_gb=_rss_gb())
 
     def rss_gb(self) -> float:

@@ -41,6 +41,8 @@ class RLWorkers:
         self.group, self.rollout_group, self.placement = group, rollout_group, placement
         self.layout, self.timeout_s = layout, timeout_s
         self.balance = balance
+        self._channel_open = False  # split placement's weight channel (opened at the first sync)
+        self._receiving: Any = None  # the rollout workers' last receive_weights in flight
 
     # ---- start -----------------------------------------------------------------------------------
     @classmethod
@@ -107,19 +109,16 @@ class RLWorkers:
     def sync_weights(self) -> list[SyncReport]:
         """The actor's current weights into the rollout engines, one report per process that took part:
         streamed in place (colocated), resharded into the generation layout (``Rollout(tp=...)``), or
-        gathered on the actor's rank 0 and shipped once through Ray's object store to every rollout
-        worker (split)."""
+        gathered on the actor's rank 0 and sent from there to every rollout worker over the weight channel
+        (split; ``sync_weights_async``)."""
         if self.rollout_group is None:
             return self.group.call(RLWorker.sync_weights, timeout=self.timeout_s)
-        import ray
-
         t0 = time.perf_counter()
-        sent = self.group.call(RLWorker.send_weights, timeout=self.timeout_s)
-        state = ray.put(sent[0][0])
-        loaded = self.rollout_group.call(RolloutWorker.load_weights, state, timeout=self.timeout_s)
+        reports = self.sync_weights_async().result(self.timeout_s)
+        # the engines' reports carry the whole sync's time: gather, channel and load
         seconds = time.perf_counter() - t0
-        # the engines' reports carry the whole sync's time: gather, object store and load
-        return [report for _, report in sent] + [SyncReport({**r, "seconds": seconds}) for r in loaded]
+        n = self.group.world_size  # the actor's reports first, then the engines'
+        return reports[:n] + [SyncReport({**r, "seconds": seconds}) for r in reports[n:]]
 
     def generate(self, prompts: list[dict[str, Any]], seed: int, policy_version: int,
                  **overrides: Any) -> dict[str, Any]:
@@ -139,17 +138,32 @@ class RLWorkers:
         future = group.call_dp_async(method, request, seed, **overrides)
         return PendingBatch(self, future, prompts, policy_version)
 
-    def sync_weights_async(self) -> Any:
-        """Split placement: gather the actor's weights now (a collective on the actor's group, which waits for
-        it) and queue their load on the rollout workers, behind the generations already queued there and
-        ahead of the next; returns the load's future (its reports). Colocated: ``sync_weights``, done."""
+    def sync_weights_async(self) -> SyncInFlight:
+        """Split placement: gather the actor's weights to its rank 0 now (a collective on the actor's group,
+        which waits for it), which sends them to the rollout workers over the weight channel
+        (``rlkit.workers.weight_channel``) from a thread while the actor goes on; each rollout worker takes
+        them behind the generations already queued there and ahead of the next. Returns the sync in flight
+        (``.result()``: its reports). Colocated: ``sync_weights``, done."""
         if self.rollout_group is None:
             return SyncInFlight(self.sync_weights())
-        import ray
-
+        self._open_channel()
+        if self._receiving is not None and self._receiving.done():
+            self._receiving.result(self.timeout_s)  # a rollout worker that died is reported as itself, not as the send
         sent = self.group.call(RLWorker.send_weights, timeout=self.timeout_s)
-        state = ray.put(sent[0][0])
-        return SyncInFlight([report for _, report in sent], self.rollout_group.call_async(RolloutWorker.load_weights, state))
+        self._receiving = self.rollout_group.call_async(RolloutWorker.receive_weights, sent[0][0])
+        return SyncInFlight([report for _, report in sent], self._receiving)
+
+    def _open_channel(self) -> None:
+        """The weight channel from the actor's rank 0 to the rollout workers, opened at the first split sync."""
+        if self._channel_open:
+            return
+        size = self.rollout_group.world_size + 1
+        address = self.group.call(RLWorker.host_weight_channel, size - 1, self.timeout_s, timeout=self.timeout_s)[0]
+        sender = self.group.call_async(RLWorker.join_weight_channel)
+        receivers = self.rollout_group.call_async(RolloutWorker.join_weight_channel, *address, size, self.timeout_s)
+        sender.result(self.timeout_s)
+        receivers.result(self.timeout_s)
+        self._channel_open = True
 
     def ref_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
         """The reference model's log-probs of the response tokens."""
