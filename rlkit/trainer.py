@@ -64,7 +64,7 @@ class Trainer:
             embedded local Ray cluster.
         placement: "colocated" (HybridEngine: one engine per DP group on the actor's workers, weights
             streamed in place), "split" (``rollout_workers`` engines on their own workers; weights
-            gathered to the actor's rank 0 and sent through Ray's object store), or an
+            gathered to the actor's rank 0 and sent from there over a weight channel), or an
             ``rlkit.Placement`` mapping the roles to pools by hand (the same two shapes).
         config: a ``TrainerConfig``; keyword ``overrides`` change single fields.
 

@@ -12,14 +12,21 @@ from rlkit.plan.schedule import (
 )
 from rlkit.plan.search import Recommendation, recommend, search_plans
 from rlkit.plan.spec import LoraSpec, ModelSpec, as_spec, bundled_models, lora_params
-from rlkit.plan.throughput import GPUS, NETWORKS, estimate_generation, estimate_rl_step, estimate_throughput
+from rlkit.plan.throughput import (
+    GPUS,
+    NETWORKS,
+    estimate_generation,
+    estimate_rl_step,
+    estimate_throughput,
+    predict_rl_step,
+)
 from rlkit.plan.topology import SCHEDULES, SHARDING, ParallelPlan
 from rlkit.plan.units import parse_bytes
 
 __all__ = ["ModelSpec", "ParallelPlan", "SCHEDULES", "SHARDING", "as_spec", "bundled_models",
            "LoraSpec", "lora_params",
            "pipeline_order", "pipeline_timeline", "bubble_fraction", "idle_fraction", "peak_in_flight",
-           "GPUS", "NETWORKS", "estimate_throughput", "estimate_generation", "estimate_rl_step",
+           "GPUS", "NETWORKS", "estimate_throughput", "estimate_generation", "estimate_rl_step", "predict_rl_step",
            "search_plans", "recommend", "Recommendation",
            "estimate_memory", "explain_fit", "compare_memory", "parse_bytes", "RolloutMemory",
            "estimate_communication", "estimate_resharding", "GenerationLayout", "BANDWIDTHS"]
