@@ -10,7 +10,8 @@ generations). Sends run in order, each after the one before it (a chain of threa
 never waits in the caller.
 
 The group is gloo on CPU tensors (the gathered weights are on CPU); every wait is bounded by the
-channel's timeout, and a send that failed is raised by the next ``send`` (or ``close``).
+channel's timeout, and a send that failed is raised by the next ``send`` (or ``wait``). Both ends pipeline:
+the sender broadcasts a bucket while it copies the next, a receiver takes one while the next arrives.
 
 >>> meta = [("a", (4, 4), torch.float32), ("b", (2,), torch.float32), ("c", (3,), torch.bfloat16)]
 >>> buckets(meta, bucket_bytes=64)
@@ -22,6 +23,7 @@ channel's timeout, and a send that failed is raised by the next ``send`` (or ``c
 from __future__ import annotations
 
 import datetime
+import queue
 import threading
 from collections.abc import Iterable, Iterator
 
@@ -58,6 +60,9 @@ class WeightChannel:
         self.group, self.rank, self.size, self.timeout_s = group, rank, size, timeout_s
         self._sending: threading.Thread | None = None
         self._error: BaseException | None = None
+        # bucket buffers kept for the next sync (a model's worth on each end, like a second copy of the weights)
+        self._sent: list[torch.Tensor] = []
+        self._received: list[torch.Tensor] = []
 
     # ---- setting up ------------------------------------------------------------------------------
     @staticmethod
@@ -85,33 +90,63 @@ class WeightChannel:
 
     # ---- moving weights --------------------------------------------------------------------------
     def send(self, named: Iterable[tuple[str, torch.Tensor]]) -> Meta:
-        """Copy ``named`` into buckets now and broadcast them from a thread (after any send before it);
-        returns the meta a receiver needs (names, shapes, dtypes). Raises a failed earlier send's error."""
+        """Copy ``named`` into buckets now and broadcast them from a thread (after any send before it), each
+        bucket as soon as it is copied; returns the meta a receiver needs (names, shapes, dtypes) once every
+        tensor is copied (the caller may change them then). Raises a failed earlier send's error."""
         self._raise_failed()
         tensors = list(named)
         meta: Meta = [(n, tuple(t.shape), t.dtype) for n, t in tensors]
-        flat = [torch.cat([tensors[i][1].reshape(-1) for i in bucket]) for bucket in buckets(meta)]
+        plan = buckets(meta)
+        copied: queue.Queue = queue.Queue()
         before = self._sending
+        # the buffers of a send that has gone are written again: fresh memory costs page faults, more than the copy
+        spare = self._sent if before is None or not before.is_alive() else []
+        used: list[torch.Tensor] = []
 
         def run() -> None:
             try:
                 if before is not None:
                     before.join()
-                for buffer in flat:
-                    self._broadcast(buffer)
+                for _ in plan:
+                    self._broadcast(copied.get(timeout=self.timeout_s))
+                self._sent = used
             except BaseException as e:  # raised by the next send or close, in the caller's thread
                 self._error = e
 
+        self._sent = []
         self._sending = threading.Thread(target=run, name="rlkit-weight-send", daemon=True)
         self._sending.start()
+        for k, bucket in enumerate(plan):  # the copy of one bucket overlaps the broadcast of the one before
+            parts = [tensors[i][1].reshape(-1) for i in bucket]
+            buffer = _buffer(spare, k, sum(p.numel() for p in parts), parts[0].dtype)
+            torch.cat(parts, out=buffer)
+            used.append(buffer)
+            copied.put(buffer)
         return meta
 
     def receive(self, meta: Meta) -> Iterator[tuple[str, torch.Tensor]]:
-        """The sender's tensors, bucket by bucket, as views into each received bucket (copy what you keep)."""
-        for bucket in buckets(meta):
-            dtype = meta[bucket[0]][2]
-            buffer = torch.empty(sum(_numel(meta[i][1]) for i in bucket), dtype=dtype)
-            self._broadcast(buffer)
+        """The sender's tensors, bucket by bucket, as views into each received bucket, valid until the next
+        ``receive`` (which writes the same buffers again: copy what you keep). A thread receives the next
+        bucket while the caller takes this one's tensors."""
+        plan = buckets(meta)
+        arrived: queue.Queue = queue.Queue()
+        spare, self._received = self._received, []  # the last receive's buffers (its caller is done with them)
+
+        def run() -> None:
+            try:
+                for k, bucket in enumerate(plan):
+                    buffer = _buffer(spare, k, sum(_numel(meta[i][1]) for i in bucket), meta[bucket[0]][2])
+                    self._received.append(buffer)
+                    self._broadcast(buffer)
+                    arrived.put(buffer)
+            except BaseException as e:
+                arrived.put(e)
+
+        threading.Thread(target=run, name="rlkit-weight-receive", daemon=True).start()
+        for bucket in plan:
+            buffer = arrived.get(timeout=self.timeout_s)
+            if isinstance(buffer, BaseException):
+                raise RuntimeError(f"rlkit: receiving the actor's weights failed: {buffer}") from buffer
             offset = 0
             for i in bucket:
                 name, shape, _ = meta[i]
@@ -139,6 +174,13 @@ class WeightChannel:
             error, self._error = self._error, None
             raise RuntimeError(f"rlkit: sending the actor's weights to the rollout workers failed (a rollout worker "
                                f"died, or stopped taking weights): {error}") from error
+
+
+def _buffer(spare: list[torch.Tensor], k: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Bucket ``k``'s buffer: the spare one of an earlier sync when it fits, else a new one."""
+    if k < len(spare) and spare[k].numel() == numel and spare[k].dtype == dtype:
+        return spare[k]
+    return torch.empty(numel, dtype=dtype)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
