@@ -14,10 +14,11 @@ keeps the median of rlkit's ``sync/seconds`` and ``sync/bytes`` over the steps a
   rlkit, this script turns off weight sharing (``rlkit.workers.rl._can_share_actor_weights``) in this
   process, where the dp=1 worker runs.
 * b16: dp=1, ``Rollout(dtype="bfloat16")``: the same stream, and the copy also converts fp32 -> bf16.
-* c: dp=2 FSDP full_shard (Ray, ``Cluster(num_cpus=2)``), ``Rollout(tp=1)``: the Resharder all-gathers each
-  parameter inside the DP group for the engine.
+* c: dp=2 FSDP full_shard (Ray, ``Cluster(num_cpus=2)``), ``Rollout(tp=1)``: the Resharder gathers the
+  weights inside the DP group for the engine, in 64 MiB buckets (one gloo broadcast from each rank per bucket).
 * d: dp=2 ``dp_shard="replicate"``, ``Rollout(tp=1)``: each rank's engine runs on its own replica: 0 bytes.
-* e: dp=1 actor + one rollout worker, ``placement="split"``: full weights through Ray's object store.
+* e: dp=1 actor + one rollout worker, ``placement="split"``: full weights from the actor's rank 0 to the
+  rollout worker over the weight channel (``rlkit.workers.weight_channel``: gloo broadcasts of 64 MiB buckets).
 
 The floor of B bytes: ``copy_`` of tensors with the model's shapes holding B bytes (same dtypes as the
 sync; the median of 3 repeats after each layout's run, then over layouts; 1 torch thread like the ranks), plus, where bytes cross processes, the time a
@@ -49,7 +50,7 @@ LAYOUTS = {
     "b16": "dp=1, separate bf16 engine (copy + fp32->bf16)",
     "c": "dp=2 full_shard, Rollout(tp=1) (all-gather)",
     "d": "dp=2 replicate, Rollout(tp=1)",
-    "e": "dp=1 + split rollout worker (object store)",
+    "e": "dp=1 + split rollout worker (weight channel)",
 }
 PROMPTS = ["the quick brown fox", "what is two plus two ?", "count the apples :", "a b c d"] * 4
 

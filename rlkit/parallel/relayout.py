@@ -4,7 +4,8 @@ The layout (which ranks generate together, which share a shard) is ``rlkit.plan.
 Here it is carried out with real collectives, per parameter in HF order:
 
 1. The ranks of the parameter's pipeline stage take their TP-local piece. With FSDP this is an
-   all-gather inside their DP group (DTensor ``redistribute``), nothing otherwise.
+   all-gather inside their DP group: in buckets of weights with one exchange each where the piece is the
+   whole tensor (``GATHER_BUCKET_BYTES``), else DTensor ``redistribute``; nothing without FSDP.
 2. Inside each micro-DP group, the ``k = tp / t_g`` stage ranks whose training chunks make up the
    generation chunk broadcast them; every member writes them straight into its generation tensor.
 
@@ -33,7 +34,7 @@ from rlkit.errors import PlanError
 from rlkit.parallel.apply import DEFAULT_LAYER_PLAN
 from rlkit.parallel.groups import GenerationGroups
 from rlkit.parallel.lora import ADAPTER, hf_name, is_lora, module_of, scaling
-from rlkit.parallel.model import _bytes
+from rlkit.parallel.model import GATHER_BUCKET_BYTES, _bytes, _dim0_shard, _full_tensors
 
 if TYPE_CHECKING:
     from rlkit.parallel.model import ParallelModel
@@ -62,6 +63,15 @@ def tp_shard(name: str, full: torch.Tensor, tp: int, tp_rank: int, config: Any =
     if dim is None or tp == 1:
         return full
     return full.chunk(tp, dim)[tp_rank].clone()
+
+
+def _wanted_whole(p: torch.Tensor, dim: int | None) -> bool:
+    """Whether ``p``'s generation piece is the whole tensor gathered from an FSDP dim-0 shard (no TP cut
+    of it to keep): then it can come in a bucket with others (``rlkit.parallel.model._full_tensors``)."""
+    if _dim0_shard(p) is None:
+        return False
+    names = p.device_mesh.mesh_dim_names or ()
+    return dim is None or all(n != "tp" or size == 1 for n, size in zip(names, p.device_mesh.shape))
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -124,9 +134,15 @@ class Resharder:
         received = 0
         peak = held = _bytes(pm.params)
         group_size = len(self.members)
-        for name, shape, dtype, owner in pm._param_meta():
-            # LoRA: an adapter travels whole (it is small) and is merged into its layer's shard below
-            dim = None if is_lora(name) else shard_dim(hf_name(name), pm.config)
+        metas = pm._param_meta()
+        # LoRA: an adapter travels whole (it is small) and is merged into its layer's shard below
+        dims = {name: None if is_lora(name) else shard_dim(hf_name(name), pm.config) for name, *_ in metas}
+        # FSDP-sharded weights wanted whole are gathered in buckets (one exchange each), in this loop's order
+        whole = [name for name, _, _, owner in metas if owner == pm.pp_rank and _wanted_whole(mine[name], dims[name])]
+        gathered_whole = _full_tensors([mine[name] for name in whole], GATHER_BUCKET_BYTES)
+        whole = set(whole)
+        for name, shape, dtype, owner in metas:
+            dim = dims[name]
             gshape = list(shape)
             if dim is not None:  # torch.chunk's split, as DTensor's Shard (a vocab may not divide by t_g)
                 c = -(-shape[dim] // tg)
@@ -134,7 +150,10 @@ class Resharder:
             own = alias = None
             extra = 0  # bytes this parameter adds beyond what is already held
             if owner == pm.pp_rank:
-                own, gathered, alias = self._tp_local(mine[name], dim)
+                if name in whole:
+                    (own, gathered), alias = next(gathered_whole), False
+                else:
+                    own, gathered, alias = self._tp_local(mine[name], dim)
                 received += gathered
                 if not alias:
                     extra += _nbytes(own)
