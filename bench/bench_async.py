@@ -55,7 +55,7 @@ def worker(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     tr = rlkit.Trainer(model=model, dataset=task, reward=reward, algorithm="grpo",
                        rollout=rlkit.Rollout(engine="hf", n=args.n, max_new_tokens=max_new),
-                       prompts_per_step=args.prompts, lr=args.lr, seed=0, run_dir=f"runs/bench-async/{args.config}",
+                       prompts_per_step=args.prompts, lr=args.lr, seed=args.seed, run_dir=f"runs/bench-async/{args.config}",
                        **cfg)
     start = time.perf_counter() - t0
     t_fit = time.perf_counter()
@@ -71,7 +71,7 @@ def worker(args: argparse.Namespace) -> None:
 def run(config: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--config", config, "--model", args.model, "--steps", str(args.steps),
            "--n", str(args.n), "--prompts", str(args.prompts), "--lr", str(args.lr),
-           "--max-new-tokens", str(args.max_new_tokens or 0)]
+           "--max-new-tokens", str(args.max_new_tokens or 0), "--seed", str(args.seed)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
@@ -112,6 +112,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--max-new-tokens", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="the runs' seed (prompt order, sampling, adapters)")
     args = ap.parse_args()
     if args.worker:
         return worker(args)

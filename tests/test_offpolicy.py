@@ -18,6 +18,7 @@ from rlkit.algos import policy_loss
 from rlkit.algos.offpolicy import importance_weights, mismatch_metrics
 from rlkit.models import tiny_lm
 from rlkit.trainer import Trainer
+from rlkit.widgets.live import metrics_figure
 
 torch.set_num_threads(1)
 
@@ -140,6 +141,11 @@ def test_one_step_off_trains_every_batch_once_within_the_bound_and_resumes_exact
         # the first step has nothing in flight: on-policy, the same samples as the synchronous run's
         assert first["reward/mean"].iloc[0] == on_policy["reward/mean"].iloc[0]
         assert first["offpolicy/staleness_max"].tolist() == [0.0, 1.0]  # then one version old, never more
+        # the live view draws the staleness and the engine/trainer mismatch, step by step
+        axes = {ax.get_title(): ax for ax in metrics_figure(first).axes}
+        assert list(axes["staleness (versions behind)"].lines[0].get_ydata()) == [0.0, 1.0]
+        drawn = axes["engine vs trainer max |Δ log p|"].lines[0].get_ydata()
+        assert list(drawn) == pytest.approx(first["offpolicy/max_abs_dlogp"].tolist())
         assert len(tr._ahead) == 1 and tr._ahead[0][0] == 2  # step 3's batch is sampling (or sampled)
         tr.save(tmp_path / "ckpt")
         # a step given up before its update (Ctrl-C in fit) puts its batch back: it is trained next, once

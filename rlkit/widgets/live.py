@@ -48,7 +48,12 @@ MODES = ("auto", "widget", "tqdm", "none")
 PHASES = ("sync", "generate", "reward", "ref", "values", "old_logprobs", "advantage", "update_critic", "update")
 PHASE_COLORS = ("#DA8BC3", "#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8C8C8C", "#8172B3", "#CCB974", "#937860")
 # Scalar curves: (title, key). The reward, timing and memory panels are drawn specially.
-LINE_PANELS = (("KL", "kl"), ("entropy", "entropy"), ("response length", "response_length/mean"))
+LINE_PANELS = (("KL", "kl"), ("entropy", "entropy"), ("response length", "response_length/mean"),
+               # off-policy runs (async RL, or the correction on): how old the batch was and how far the engine
+               # that sampled it is from the trainer (rlkit.algos.offpolicy)
+               ("staleness (versions behind)", "offpolicy/staleness_max"),
+               ("engine vs trainer max |Δ log p|", "offpolicy/max_abs_dlogp"),
+               ("importance ratio pi_old/mu max", "offpolicy/ratio_max"))
 RANK_KEY = re.compile(r"^memory/rss_gb/rank(\d+)$")
 DPI = 80  # 12x6 in -> 960x480 px: readable in a notebook, cheap to render
 
@@ -532,6 +537,9 @@ class LiveView:
         kl = self._last("kl")
         if kl is not None:
             parts.append(f"kl={_fmt(kl, 2)}")
+        stale = self._last("offpolicy/staleness_max")
+        if stale is not None:
+            parts.append(f"stale={stale:g}")
         sps = self.seconds_per_step()
         if sps:
             parts.append(f"s/step={_fmt(sps, 2)}")
