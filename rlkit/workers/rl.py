@@ -218,8 +218,8 @@ class RLWorker:
         its address (None on the other ranks). ``join_weight_channel`` follows, beside the receivers'."""
         if self.rank != 0:
             return None
-        self._channel_store, address = WeightChannel.host(receivers, timeout_s)
-        self._channel_args = dict(rank=0, size=receivers + 1, timeout_s=timeout_s, store=self._channel_store)
+        store, address = WeightChannel.host(receivers, timeout_s)
+        self._channel_args = dict(rank=0, size=receivers + 1, timeout_s=timeout_s, store=store)
         return address
 
     def join_weight_channel(self) -> None:

@@ -23,6 +23,7 @@ the sender broadcasts a bucket while it copies the next, a receiver takes one wh
 from __future__ import annotations
 
 import datetime
+import math
 import queue
 import threading
 from collections.abc import Iterable, Iterator
@@ -40,7 +41,7 @@ def buckets(meta: Meta, bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
     out: list[list[int]] = []
     size, dtype = 0, None
     for i, (_, shape, dt) in enumerate(meta):
-        nbytes = _numel(shape) * dt.itemsize
+        nbytes = math.prod(shape) * dt.itemsize
         if not out or dt != dtype or size + nbytes > bucket_bytes:
             out.append([])
             size, dtype = 0, dt
@@ -56,8 +57,8 @@ class WeightChannel:
     >>> channel = WeightChannel.join(*address, rank=1, size=2)  # on a rollout worker  # doctest: +SKIP
     """
 
-    def __init__(self, group: dist.ProcessGroup, rank: int, size: int, timeout_s: float):
-        self.group, self.rank, self.size, self.timeout_s = group, rank, size, timeout_s
+    def __init__(self, group: dist.ProcessGroup, timeout_s: float):
+        self.group, self.timeout_s = group, timeout_s
         self._sending: threading.Thread | None = None
         self._error: BaseException | None = None
         # bucket buffers kept for the next sync (a model's worth on each end, like a second copy of the weights)
@@ -84,7 +85,7 @@ class WeightChannel:
         if store is None:
             store = dist.TCPStore(ip, port, size, is_master=False, timeout=timeout)
         group = dist.ProcessGroupGloo(dist.PrefixStore("rlkit-weights", store), rank, size, timeout)
-        channel = cls(group, rank, size, timeout_s)
+        channel = cls(group, timeout_s)
         channel._store = store  # the store must outlive the group
         return channel
 
@@ -135,7 +136,7 @@ class WeightChannel:
         def run() -> None:
             try:
                 for k, bucket in enumerate(plan):
-                    buffer = _buffer(spare, k, sum(_numel(meta[i][1]) for i in bucket), meta[bucket[0]][2])
+                    buffer = _buffer(spare, k, sum(math.prod(meta[i][1]) for i in bucket), meta[bucket[0]][2])
                     self._received.append(buffer)
                     self._broadcast(buffer)
                     arrived.put(buffer)
@@ -150,7 +151,7 @@ class WeightChannel:
             offset = 0
             for i in bucket:
                 name, shape, _ = meta[i]
-                n = _numel(shape)
+                n = math.prod(shape)
                 yield name, buffer[offset:offset + n].view(shape)
                 offset += n
 
@@ -181,13 +182,6 @@ def _buffer(spare: list[torch.Tensor], k: int, numel: int, dtype: torch.dtype) -
     if k < len(spare) and spare[k].numel() == numel and spare[k].dtype == dtype:
         return spare[k]
     return torch.empty(numel, dtype=dtype)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 __all__ = ["BUCKET_BYTES", "WeightChannel", "buckets"]
