@@ -44,6 +44,9 @@ _LAZY = {
     "ParallelModel": "rlkit.parallel",
     "rollout": "rlkit.rollout",
     "workers": "rlkit.workers",
+    "agent": "rlkit.agent",
+    "MultiTurn": "rlkit.agent",
+    "EnvStep": "rlkit.agent",
 }
 
 __all__ = ["CheckpointError", "PlanError", "RlkitError", "TrainerError", "WorkerError", "__version__", *_LAZY]

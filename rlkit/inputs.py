@@ -151,6 +151,49 @@ def render_chats(rows: list[dict[str, Any]], tokenizer: Any, model_path: str) ->
     return out
 
 
+def agent_of(tools: Any, environment: Any, max_turns: int | None, multi_turn: Any, rollout: Rollout) -> Any:
+    """The Trainer's multi-turn agent (``rlkit.agent.episodes.Agent``) from ``tools=``, ``environment=``,
+    ``max_turns=`` and ``multi_turn=``, checked here in the driver; None when none is given (single-turn)."""
+    import dataclasses
+
+    from rlkit.agent.episodes import Agent, MultiTurn
+
+    if tools is None and environment is None and max_turns is None and multi_turn is None:
+        return None
+    if max_turns is not None:
+        if multi_turn is not None and multi_turn.max_turns != max_turns:
+            raise TrainerError(f"max_turns={max_turns} and multi_turn=MultiTurn(max_turns={multi_turn.max_turns}) "
+                               f"disagree; give one of them")
+        multi_turn = dataclasses.replace(multi_turn or MultiTurn(), max_turns=max_turns) \
+            if isinstance(multi_turn, (MultiTurn, type(None))) else multi_turn
+    return Agent.of(tools, environment, multi_turn, max_new_tokens=rollout.max_new_tokens)
+
+
+def render_episodes(rows: list[dict[str, Any]], tokenizer: Any, model_path: str, agent: Any) -> list[dict[str, Any]]:
+    """Multi-turn prompts, rendered once in the driver with the model's chat template and the agent's tools:
+    each row's prompt (a chat, or text as one user message), or with an environment the messages its
+    ``reset(row)`` opens with. The row as read is kept under ``_env_row`` (the workers' environments
+    reset from it)."""
+    from rlkit.agent.chat import ChatFormat
+
+    try:
+        fmt = ChatFormat(tokenizer, agent.tools, agent.settings.tool_prompt)
+    except ValueError as e:
+        raise TrainerError(f"model {model_path!r}: {e}") from None
+    out = []
+    for i, row in enumerate(rows):
+        messages = row["prompt"]
+        if agent.environment is not None:
+            messages = agent.environment().reset(dict(row))
+            if not (isinstance(messages, str) and messages) and not is_chat(messages):
+                raise TrainerError(f"{getattr(agent.environment, '__name__', 'the environment')}.reset(row) returned "
+                                   f"{messages!r} for dataset row {i}; return the opening messages, a list of "
+                                   f"{{'role': ..., 'content': ...}} dicts (or a text, one user message)")
+            row = {**row, "_env_row": dict(row)}
+        out.append({**row, "prompt": fmt.render_prompt(messages)})
+    return out
+
+
 def longest_prompt(rows: list[dict[str, Any]], tokenizer: Any, model_path: str, max_new_tokens: int) -> int:
     """Tokens in the longest prompt (the sequence layout's prompt width); every prompt plus
     ``max_new_tokens`` must fit the model's context."""
@@ -160,9 +203,9 @@ def longest_prompt(rows: list[dict[str, Any]], tokenizer: Any, model_path: str, 
     context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     if context and lengths[longest] + max_new_tokens > context:
-        raise TrainerError(f"prompt {longest} has {lengths[longest]} tokens; with max_new_tokens="
-                           f"{max_new_tokens} that exceeds the model context {context}; "
-                           f"shorten or drop it, or lower max_new_tokens")
+        raise TrainerError(f"prompt {longest} has {lengths[longest]} tokens; with {max_new_tokens} response tokens "
+                           f"(Rollout.max_new_tokens, or MultiTurn.max_tokens for multi-turn) that exceeds the model "
+                           f"context {context}; shorten or drop it, or lower the response tokens")
     return max(lengths)
 
 

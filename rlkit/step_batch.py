@@ -69,6 +69,8 @@ class StepBatch:
             keep = torch.ones(len(self), dtype=torch.bool)
             keep[idx] = False
             self.gen["response_mask"] *= keep[:, None].float()
+            if "loss_mask" in self.gen:
+                self.gen["loss_mask"] *= keep[:, None].float()
             self.tensors["advantages"] = self.tensors["advantages"] * keep[:, None]
         return self
 
@@ -111,6 +113,11 @@ class StepBatch:
                "advantages/std": masked_stat(tensors["advantages"], mask, "std"),
                "entropy": actor.get("actor/entropy", math.nan), "actor/lr": settings.lr, **actor, **critic}
         row.update(self.offpolicy)
+        if "episode" in gen:  # multi-turn: turns, tool calls and errors, truncations (rlkit.agent)
+            from rlkit.agent.episodes import episode_metrics
+
+            row.update(episode_metrics(gen["episode"]))
+            row["timing/tools"] = float(gen.get("timing_tools", 0.0) or 0.0)
         if "policy_version" in gen:  # how many updates behind the actor the sampling policy was (async RL)
             lag = (step - 1) - gen["policy_version"].float()
             row["offpolicy/staleness_mean"], row["offpolicy/staleness_max"] = lag.mean().item(), lag.max().item()
@@ -139,13 +146,16 @@ class StepBatch:
         engine's per-token log-probs (and the old / reference ones when estimated) as lists."""
         import pandas as pd
 
+        from rlkit.agent.episodes import conversation_text
+
         mask = self.gen["response_mask"]
         tokens = mask.sum(1)
         cols = self.gen["columns"]
         row_of = {i: p.get("_row") for i, p in enumerate(self.prompts)}
         df = pd.DataFrame({
             "uid": list(self.gen["uid"]), "row": [row_of.get(u) for u in self.gen["uid"]],
-            "prompt": list(cols.get("prompt", [None] * len(self))), "completion": list(self.gen["completion"]),
+            "prompt": list(cols.get("prompt", [None] * len(self))),
+            "completion": [conversation_text(c) for c in self.gen["completion"]],
             "reward": self.rewards.tolist(), "tokens": tokens.long().tolist(),
             "finish_reason": list(self.gen.get("finish_reason", [None] * len(self)))})
         if "advantages" in self.tensors:

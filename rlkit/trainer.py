@@ -66,6 +66,19 @@ class Trainer:
             streamed in place), "split" (``rollout_workers`` engines on their own workers; weights
             gathered to the actor's rank 0 and sent from there over a weight channel), or an
             ``rlkit.Placement`` mapping the roles to pools by hand (the same two shapes).
+        tools: multi-turn rollouts with tools: plain typed functions with Google-style docstrings (TRL's
+            convention), e.g. ``def calculator(expression: str) -> str``. The model calls them in the Hermes
+            ``<tool_call>`` format, rendered by its chat template (``rlkit.agent.chat``); they run on the
+            worker that generates, each call bounded by ``MultiTurn.tool_timeout_s``.
+        environment: a class (or factory) making one environment per episode, with ``reset(row)`` -> the
+            opening messages and ``step(message)`` -> ``rlkit.EnvStep(messages, done, reward)``
+            (``rlkit.agent.environment``); its rewards add to the reward functions' (``reward`` may be None).
+        max_turns: assistant turns per episode (multi-turn; shorthand for ``multi_turn=MultiTurn(max_turns=...)``).
+        multi_turn: an ``rlkit.MultiTurn`` with the episode's bounds (turns, total tokens, tool timeout). Only
+            the sampled tokens carry loss; tool and environment messages are in the sequence, masked out of
+            the policy loss, the KL and the entropy (``batch["loss_mask"]``). Advantages are per trajectory:
+            GRPO's group is a prompt's ``Rollout.n`` episodes, and the outcome reward sits on the episode's
+            last sampled token (GAE runs over the sampled tokens, the messages between them skipped).
         config: a ``TrainerConfig``; keyword ``overrides`` change single fields.
 
     >>> import rlkit
@@ -78,7 +91,8 @@ class Trainer:
     def __init__(self, model: str, dataset: Any, reward: Any = None, algorithm: str = "grpo",
                  plan: ParallelPlan | None = None, rollout: Rollout | None = None, cluster: Any = None,
                  config: TrainerConfig | None = None, callbacks: Sequence[Callable] = (),
-                 placement: str | Placement = "colocated", rollout_workers: int = 1, **overrides: Any):
+                 placement: str | Placement = "colocated", rollout_workers: int = 1, tools: Sequence[Callable] | None = None,
+                 environment: Any = None, max_turns: int | None = None, multi_turn: Any = None, **overrides: Any):
         # Everything is checked here, in the driver, before a worker starts: each error names the value.
         self.config = inputs.config_with(config, overrides)
         self.model_path = resolve_checkpoint(model)
@@ -94,15 +108,19 @@ class Trainer:
         self.rollout = rollout or Rollout(n=4, max_new_tokens=16)
         self.callbacks = list(callbacks)
         self.placement = Placement.of(placement, self.plan, rollout_workers)
+        self.agent = inputs.agent_of(tools, environment, max_turns, multi_turn, self.rollout)  # None: single-turn
         self.tokenizer = inputs.load_tokenizer(self.model_path)
         self.task, rows = inputs.rows_of(dataset, self.config.train_size, self.config.seed,
                                          self.config.prompt_column)
         self._heldout = dataset if heldout_split(dataset) else None  # a DatasetDict's test split, for evaluate()
-        self.rows = inputs.render_chats(rows, self.tokenizer, self.model_path)
-        self.rewards = RewardFunctions.of(reward, self.task)
+        self.rows = self._render(rows)
+        # an environment that rewards its episodes may be the only reward
+        env_only = reward is None and self.task is None and self.agent is not None and environment is not None
+        self.rewards = RewardFunctions([]) if env_only else RewardFunctions.of(reward, self.task)
         inputs.check_sizes(self.config, self.plan, self.rollout, self.algo)
-        self.layout = SequenceLayout(inputs.longest_prompt(self.rows, self.tokenizer, self.model_path,
-                                                           self.rollout.max_new_tokens), self.rollout.max_new_tokens)
+        response_len = self.agent.response_len if self.agent is not None else self.rollout.max_new_tokens
+        self.layout = SequenceLayout(inputs.longest_prompt(self.rows, self.tokenizer, self.model_path, response_len),
+                                     response_len)
         inputs.check_token_budget(self.config, self.layout)
         inputs.padding_free(self.config, self.plan)  # a token budget on a dp x pp plan fails here, before workers
         self.plan.validate(model=self.model_path)
@@ -134,7 +152,7 @@ class Trainer:
         worker_kwargs = dict(rollout=self.rollout, actor_lr=c.lr, critic_lr=c.critic_lr, max_grad_norm=c.max_grad_norm,
                              need_ref=self.uses_reference, need_critic=self.algo.needs_critic, precision=c.precision,
                              padding_free=inputs.padding_free(c, self.plan), micro_batch_tokens=c.micro_batch_tokens,
-                             lora=c.lora)
+                             lora=c.lora, agent=self.agent)
         self.workers, self.cluster = RLWorkers.start(
             self.placement, self.cluster, model_path=self.model_path, layout=self.layout,
             worker_kwargs=worker_kwargs, seed=c.seed, timeout_s=c.timeout_s, owner=self,
@@ -223,7 +241,7 @@ class Trainer:
         with _timer(t, "generate"):
             gen = w.generate(rows, seed=c.seed * 100_003 + self.step, policy_version=self.step)
         with _timer(t, "reward"):
-            given = self.rewards.score(gen["columns"], gen["completion"])  # NaN: no reward
+            given = self._score(gen)  # NaN: no reward
         return StepBatch(step=self.step, prompts=rows, gen=gen, rewards=given, timings=t, sync=sync, started=t_step)
 
     def _generate_ahead(self) -> StepBatch:
@@ -242,7 +260,7 @@ class Trainer:
         with _timer(t, "wait_generate"):  # what the trainer waited for: the generation it did not hide
             gen = pending.result()
         with _timer(t, "reward"):
-            given = self.rewards.score(gen["columns"], gen["completion"])
+            given = self._score(gen)
         t["generate"] = float(gen.get("timing", 0.0) or 0.0)  # the engines' own time, overlapped with training
         return StepBatch(step=step, prompts=pending.prompts, gen=gen, rewards=given, timings=t,
                          sync=sync.result(self.config.timeout_s), started=t_step)
@@ -265,7 +283,8 @@ class Trainer:
         if batch.estimated:
             return batch
         c, t, w, gen = self.config, batch.timings, self._live_workers(), batch.gen
-        tensors = {k: gen[k] for k in ("input_ids", "attention_mask", "response_mask", "policy_version")}
+        tensors = {k: gen[k] for k in ("input_ids", "attention_mask", "response_mask", "loss_mask", "policy_version")
+                   if k in gen}
         valid = torch.isfinite(batch.rewards)
         mask = self.layout.loss_mask(tensors)
         mask *= valid[:, None].float()  # samples whose reward is NaN are skipped (counted in the row)
@@ -326,6 +345,22 @@ class Trainer:
         return self.workers
 
     # ---- the dataflow's pieces -------------------------------------------------------------------
+    def _render(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Prompt rows as the engines take them: chats rendered by the chat template, with the tools (or the
+        environment's opening messages) for multi-turn episodes."""
+        if self.agent is not None:
+            return inputs.render_episodes(rows, self.tokenizer, self.model_path, self.agent)
+        return inputs.render_chats(rows, self.tokenizer, self.model_path)
+
+    def _score(self, gen: dict[str, Any]) -> torch.Tensor:
+        """Each sample's reward: the reward functions' weighted sum (a multi-turn completion is its
+        conversation, TRL's conversational format), plus what an environment returned over the episode."""
+        scores = self.rewards.score(gen["columns"], gen["completion"]) if self.rewards.fns else \
+            torch.zeros(len(gen["uid"]))
+        if "episode" in gen:
+            scores = scores + torch.tensor([e.get("env_reward") or 0.0 for e in gen["episode"]], dtype=scores.dtype)
+        return scores
+
     def _next_prompts(self) -> list[dict[str, Any]]:
         """The next ``prompts_per_step`` rows, epoch by epoch in a seeded order (resumable from step)."""
         return self._prompts_of(self.step)
@@ -399,10 +434,17 @@ class Trainer:
         # metrics.jsonl is always this trainer's history (== self.metrics), rewritten atomically: a crash
         # never leaves half a line, and a resumed run never repeats step numbers (see load)
         self.runs.write_metrics(self._rows_log)
+        from rlkit.agent.episodes import conversation_text
+
         for i, u in enumerate(gen["uid"]):
             ids = gen["input_ids"][i, self.layout.prompt_len:][gen["attention_mask"][i, self.layout.prompt_len:].bool()]
-            self._samples.append({"step": self.step, "prompt": prompts[u]["prompt"], "completion": gen["completion"][i],
-                                  "reward": float(scores[i]), "completion_ids": ids.tolist()})
+            sample = {"step": self.step, "prompt": prompts[u]["prompt"], "completion": conversation_text(gen["completion"][i]),
+                      "reward": float(scores[i]), "completion_ids": ids.tolist()}
+            if "episode" in gen:  # multi-turn: the conversation (tool messages marked) and the episode's counts
+                ep = gen["episode"][i]
+                sample.update(turns=ep["turns"], tool_calls=ep["tool_calls"], tool_errors=ep["tool_errors"],
+                              finish_reason=gen["finish_reason"][i], messages=gen["completion"][i])
+            self._samples.append(sample)
         del self._samples[:max(0, len(self._samples) - self.config.keep_samples)]  # [:-0] would keep all
         trackers = self._open_trackers()  # report_to: the row, and this step's samples as a table
         if trackers:
@@ -433,7 +475,7 @@ class Trainer:
 
         df = pd.DataFrame(self._samples)
         if not ids and not df.empty:
-            df = df.drop(columns=["completion_ids"])
+            df = df.drop(columns=["completion_ids"] + (["messages"] if "messages" in df else []))
         return df if last is None or df.empty else df[df.step > self.step - last]
 
     def evaluate(self, dataset: Any = None, n: int = 64, greedy: bool = True) -> dict[str, float]:
@@ -441,16 +483,20 @@ class Trainer:
         task's test split, the "test" / "validation" split of a DatasetDict, else the training rows."""
         rows = inputs.heldout_rows(dataset, self.task, self._heldout, self.rows, n, self.config.seed + 1,
                                    self.config.prompt_column)
-        rows = inputs.render_chats(rows, self.tokenizer, self.model_path)
+        rows = rows if rows is self.rows else self._render(rows)  # the training rows are rendered already
         rows = [dict(r, _row=i) for i, r in enumerate(rows[:n])]
         rows = rows[:len(rows) - len(rows) % self.plan.dp] or rows
         overrides = {"n": 1, **({"temperature": 0.0} if greedy else {})}
         self.workers.sync_weights()
         gen = self.workers.generate(rows, seed=10**6 + self.step, policy_version=self.step, **overrides)
-        scores = self.rewards.score(gen["columns"], gen["completion"])
+        scores = self._score(gen)
         ok = torch.isfinite(scores)
-        return {"reward": scores[ok].mean().item(), "exact": (scores[ok] == 1).float().mean().item(),
-                "n": int(ok.sum())}
+        out = {"reward": scores[ok].mean().item(), "exact": (scores[ok] == 1).float().mean().item(), "n": int(ok.sum())}
+        if "episode" in gen:  # multi-turn: the same episodes as training, and their tool use
+            from rlkit.agent.episodes import episode_metrics
+
+            out.update(episode_metrics(gen["episode"]))
+        return out
 
     # ---- save / load -----------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> str:

@@ -62,6 +62,10 @@ class RolloutBatch:
     token/stop string, "length" = hit max_new_tokens). ``skipped``: (index, length) of prompts dropped
     with ``on_long_prompt="skip"``. ``timings`` in seconds.
 
+    Multi-turn episodes (``rlkit.agent.episodes.run_episodes``) also fill ``loss_mask`` (N, R): 1 on the
+    tokens the engine sampled, 0 on tool and environment messages and template glue; ``messages``: each
+    sample's conversation after the prompt; ``episodes``: each one's turns, tool calls, errors, truncation.
+
     >>> b = RolloutBatch.empty(pad_token_id=0)
     >>> b.num_samples, b.input_ids.shape
     (0, torch.Size([0, 0]))
@@ -78,6 +82,9 @@ class RolloutBatch:
     skipped: list[tuple[int, int]] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     engine: str = ""
+    loss_mask: torch.Tensor | None = None
+    messages: list[list[dict[str, Any]]] | None = None
+    episodes: list[dict[str, Any]] | None = None
 
     @property
     def num_samples(self) -> int:

@@ -17,6 +17,7 @@ its own verifier.
 
 from rlkit.tasks.arith import Arithmetic, ChatArithmetic, first_number, last_number
 from rlkit.tasks.base import Rows, completion_text
+from rlkit.tasks.calc import Calculator, calculator
 from rlkit.tasks.letters import Repeat
 from rlkit.tasks.reasoning import ChatReasoningGym, ReasoningGym, reasoning_gym
 from rlkit.tasks.sft import evaluate, sft_log, sft_warmstart
@@ -26,6 +27,6 @@ repeat = Repeat()
 
 chat_arithmetic = ChatArithmetic()
 
-__all__ = ["Arithmetic", "ChatArithmetic", "ChatReasoningGym", "ReasoningGym", "Repeat", "chat_arithmetic", "last_number",
+__all__ = ["Arithmetic", "Calculator", "calculator", "ChatArithmetic", "ChatReasoningGym", "ReasoningGym", "Repeat", "chat_arithmetic", "last_number",
            "Rows", "arithmetic", "completion_text", "evaluate", "first_number", "reasoning_gym", "repeat", "sft_log",
            "sft_warmstart"]

@@ -86,7 +86,7 @@ class HybridRollout:
                 "param_bytes": stats["param_bytes"], "peak_param_bytes": stats["peak_param_bytes"]}
 
     @torch.no_grad()
-    def generate(self, batch: dict[str, Any], seed: int, layout: SequenceLayout,
+    def generate(self, batch: dict[str, Any], seed: int, layout: SequenceLayout, agent: Any = None,
                  **overrides: Any) -> dict[str, Any] | None:
         """Generate this group's slice of ``batch`` (the replica's prompts) with the weights ``reshard``
         put in place (called without one, it reshards first), release them, gather the replica's
@@ -97,11 +97,11 @@ class HybridRollout:
             sl = self.layout.prompt_slices(len(batch["prompt"]))[self.group_index]
             part = None
             if sl.stop > sl.start:
-                sub = {k: list(batch[k])[sl] for k in ("prompt", "uid", "row")}
+                sub = {k: list(batch[k])[sl] for k in ("prompt", "uid", "row", "env_row") if k in batch}
                 self.prompts_generated += sl.stop - sl.start
                 # the replica's seed, and each prompt's place in the replica's chunk: the samples are the
                 # ones a single engine for the whole chunk would draw
-                part = generate_batch(self.engine, layout, sub, seed, first_index=sl.start, **overrides)
+                part = generate_batch(self.engine, layout, sub, seed, first_index=sl.start, agent=agent, **overrides)
         finally:
             self.release()
         # one copy per generation group (its gen_tp == 0 rank) goes to the collector, in group order

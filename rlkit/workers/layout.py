@@ -121,16 +121,24 @@ class SequenceLayout:
         lp = torch.zeros(n, R)
         lp[:, :r] = out.response_logprobs
         rows = out.prompt_index.tolist()
-        return {"input_ids": ids, "attention_mask": attn, "response_mask": resp_mask, "rollout_logprobs": lp,
-                "uid": [prompts["uid"][i] for i in rows], "row": [prompts["row"][i] for i in rows],
-                "completion": list(out.texts), "finish_reason": list(out.finish_reason),
-                "timing": out.timings.get("generate", 0.0)}
+        batch = {"input_ids": ids, "attention_mask": attn, "response_mask": resp_mask, "rollout_logprobs": lp,
+                 "uid": [prompts["uid"][i] for i in rows], "row": [prompts["row"][i] for i in rows],
+                 "completion": list(out.texts), "finish_reason": list(out.finish_reason),
+                 "timing": out.timings.get("generate", 0.0)}
+        if out.loss_mask is not None:  # multi-turn: only the sampled tokens carry loss; the completion is a chat
+            batch["loss_mask"] = torch.zeros(n, R)
+            batch["loss_mask"][:, :r] = out.loss_mask.float()
+            batch["completion"], batch["episode"] = list(out.messages), list(out.episodes)
+            batch["timing_tools"] = out.timings.get("tools", 0.0)
+        return batch
 
 
 def generate_batch(engine: Any, layout: SequenceLayout, prompts: dict[str, Any], seed: int, *,
-                   first_index: int = 0, **overrides: Any) -> dict[str, Any]:
+                   first_index: int = 0, agent: Any = None, **overrides: Any) -> dict[str, Any]:
     """``engine.generate`` for ``prompts["prompt"]`` (seeded per prompt from ``seed``; ``first_index``: where
-    these prompts start in the call they are a slice of), packed by ``layout``.
+    these prompts start in the call they are a slice of), packed by ``layout``. With an ``agent``
+    (``rlkit.agent.episodes.Agent``): its multi-turn episodes instead, the environment reset from
+    ``prompts["env_row"]``.
 
     >>> from rlkit.models import tiny_lm
     >>> from rlkit.rollout import HFEngine
@@ -139,7 +147,13 @@ def generate_batch(engine: Any, layout: SequenceLayout, prompts: dict[str, Any],
     >>> b["row"], tuple(b["rollout_logprobs"].shape)
     ([3, 3], (2, 4))
     """
-    out = engine.generate(list(prompts["prompt"]), seed=seed, first_index=first_index, **overrides)
+    if agent is not None:
+        from rlkit.agent.episodes import run_episodes
+
+        out = run_episodes(engine, agent, list(prompts["prompt"]), seed=seed, first_index=first_index,
+                           rows=prompts.get("env_row"), **overrides)
+    else:
+        out = engine.generate(list(prompts["prompt"]), seed=seed, first_index=first_index, **overrides)
     return layout.pack(out, prompts, engine.pad_token_id)
 
 

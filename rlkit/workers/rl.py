@@ -95,12 +95,13 @@ class RLWorker:
                  actor_lr: float, critic_lr: float = 1e-4, max_grad_norm: float | None = 1.0,
                  need_ref: bool = False, need_critic: bool = False, seed: int = 0, colocate_rollout: bool = True,
                  precision: str = "fp32", padding_free: bool = False, micro_batch_tokens: int | None = None,
-                 lora: Any = None):
+                 lora: Any = None, agent: Any = None):
         from transformers import AutoConfig
 
         torch.manual_seed(seed)
         self.plan, self.rank = plan, dist.get_rank()
-        self.layout = SequenceLayout(prompt_len, rollout.max_new_tokens)
+        self.agent = agent  # multi-turn episodes with tools (rlkit.agent), run where the engine generates
+        self.layout = SequenceLayout(prompt_len, agent.response_len if agent is not None else rollout.max_new_tokens)
         config = AutoConfig.from_pretrained(str(model_path))
         groups = build_groups(plan, tied_ends=bool(getattr(config, "tie_word_embeddings", False)) and plan.pp > 1)
         common = dict(max_grad_norm=max_grad_norm, seed=seed, eps=1e-6, precision=precision, groups=groups)
@@ -157,10 +158,10 @@ class RLWorker:
         replica's collector rank, though every rank generates)."""
         seed = self.layout.rank_seed(seed, self.dp_rank)
         if self.hybrid is not None:
-            return self.hybrid.generate(prompts, seed, self.layout, **overrides)
+            return self.hybrid.generate(prompts, seed, self.layout, agent=self.agent, **overrides)
         if self.engine is None:
             return None
-        return generate_batch(self.engine, self.layout, prompts, seed, **overrides)
+        return generate_batch(self.engine, self.layout, prompts, seed, agent=self.agent, **overrides)
 
     # ---- forward passes ------------------------------------------------------------------------
     def actor_logprobs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -291,17 +292,19 @@ class RLWorker:
 class RolloutWorker:
     """A rollout engine on its own worker (split placement): no process group, no training state."""
 
-    def __init__(self, model_path: str, *, rollout: Rollout, prompt_len: int, seed: int = 0, lora: Any = None):
+    def __init__(self, model_path: str, *, rollout: Rollout, prompt_len: int, seed: int = 0, lora: Any = None,
+                 agent: Any = None):
         torch.manual_seed(seed)
         self.lora_scaling = scaling(lora) if lora is not None else None  # adapters arrive alone (load_weights)
-        self.layout = SequenceLayout(prompt_len, rollout.max_new_tokens)
+        self.agent = agent
+        self.layout = SequenceLayout(prompt_len, agent.response_len if agent is not None else rollout.max_new_tokens)
         self.dp_rank = int(os.environ.get("RANK", "0"))
         self.engine = make_engine(rollout, model_path)
 
     def generate(self, prompts: dict[str, Any], seed: int, **overrides: Any) -> dict[str, Any]:
         # the layout's seed per DP chunk, as a colocated engine: both placements sample the same responses
         return generate_batch(self.engine, self.layout, prompts, self.layout.rank_seed(seed, self.dp_rank),
-                              **overrides)
+                              agent=self.agent, **overrides)
 
     def join_weight_channel(self, ip: str, port: int, size: int, timeout_s: float) -> None:
         """This worker's end of the weight channel from the actor's rank 0 (``RLWorker.host_weight_channel``)."""

@@ -41,6 +41,7 @@ class RLWorkers:
         self.group, self.rollout_group, self.placement = group, rollout_group, placement
         self.layout, self.timeout_s = layout, timeout_s
         self.balance = balance
+        self.env_rows = False  # multi-turn with an environment: requests carry each prompt's dataset row
         self._channel_open = False  # split placement's weight channel (opened at the first sync)
         self._receiving: Any = None  # the rollout workers' last receive_weights in flight
 
@@ -59,6 +60,13 @@ class RLWorkers:
         """
         held = [] if held is None else held
         plan, rollout = placement.plan, worker_kwargs["rollout"]
+        agent = worker_kwargs.get("agent")
+        if agent is not None:  # tools and environments defined next to the driver travel by value
+            from rlkit.workers.group import ship_by_value
+
+            for obj in (*[t.fn for t in agent.tools], agent.environment):
+                if obj is not None:
+                    ship_by_value(obj)
         args = (model_path, plan)
         kwargs = dict(worker_kwargs, prompt_len=layout.prompt_len, seed=seed,
                       colocate_rollout=placement.kind == "colocated")
@@ -67,7 +75,9 @@ class RLWorkers:
 
             group = LocalWorkerGroup(plan, RLWorker, *args, **kwargs, name="rl", owner=owner)
             held.append(group)
-            return cls(group, None, placement, layout, timeout_s), None  # one rank: nothing to balance
+            workers = cls(group, None, placement, layout, timeout_s)  # one rank: nothing to balance
+            workers.env_rows = agent is not None and agent.environment is not None
+            return workers, None
         from rlkit.cluster import Cluster
         from rlkit.workers.group import WorkerGroup
 
@@ -91,7 +101,7 @@ class RLWorkers:
             if "rollout" in pools:
                 rollout_group = WorkerGroup(cluster, placement.rollout_workers, RolloutWorker, model_path,
                                             rollout=rollout, prompt_len=layout.prompt_len, seed=seed,
-                                            lora=worker_kwargs.get("lora"),
+                                            lora=worker_kwargs.get("lora"), agent=worker_kwargs.get("agent"),
                                             init_process_group=False, pool=pools["rollout"], owns_pool=True,
                                             timeout_s=timeout_s, name="rollout", owner=owner)
                 held.append(rollout_group)
@@ -102,8 +112,9 @@ class RLWorkers:
                 pool.remove()
             held.clear()
             raise
-        return cls(group, rollout_group, placement, layout, timeout_s,
-                   balance=bool(worker_kwargs.get("padding_free"))), cluster
+        workers = cls(group, rollout_group, placement, layout, timeout_s, balance=bool(worker_kwargs.get("padding_free")))
+        workers.env_rows = agent is not None and agent.environment is not None
+        return workers, cluster
 
     # ---- the dataflow's calls --------------------------------------------------------------------
     def sync_weights(self) -> list[SyncReport]:
@@ -133,6 +144,8 @@ class RLWorkers:
         workers, while the actor's workers train); ``.result()`` waits (bounded by ``timeout_s``)."""
         request = {"prompt": [p["prompt"] for p in prompts], "uid": list(range(len(prompts))),
                    "row": [p["_row"] for p in prompts]}
+        if self.env_rows:  # the environments reset from the dataset rows, on the workers
+            request["env_row"] = [p["_env_row"] for p in prompts]
         group = self.rollout_group or self.group
         method = RolloutWorker.generate if self.rollout_group is not None else RLWorker.generate
         future = group.call_dp_async(method, request, seed, **overrides)
@@ -291,7 +304,7 @@ class PendingBatch:
             parts = self.future.result(self.workers.timeout_s)
             batch = concat_batches(parts) if isinstance(parts, list) else parts
             prompts = self.prompts
-            batch["columns"] = {k: [prompts[u][k] for u in batch["uid"]] for k in prompts[0] if k != "_row"}
+            batch["columns"] = {k: [prompts[u][k] for u in batch["uid"]] for k in prompts[0] if k not in ("_row", "_env_row")}
             self._batch = self.workers.layout.stamp_version(batch, self.policy_version)
         return self._batch
 
