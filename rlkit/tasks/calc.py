@@ -120,6 +120,29 @@ class CalculatorDemos:
         return row["target"]
 
 
+# A short tool prompt for tiny models (the default TOOL_PROMPT with the JSON schema is ~400 tokens of theirs)
+TINY_TOOL_PROMPT = ('Tool: calculator(expression). Call it as <tool_call>{"name": "calculator", "arguments": '
+                    '{"expression": "..."}}</tool_call>')
+
+
+def tiny_tool_model(steps: int = 200, seed: int = 0, progress: bool = False) -> str:
+    """A tiny Qwen2 that calls the calculator: ``tiny_lm("qwen2", size="small")`` after a short SFT (``steps`` x
+    16 rows) on ``Calculator(digits=(2, 1))`` demonstrations with ``TINY_TOOL_PROMPT``; built once and cached
+    (``rlkit.tasks.sft_warmstart``). For tests and tutorial 08: its episodes call the tool, read the result
+    and answer, so every part of a multi-turn episode is exercised on a model that runs in a second.
+
+    >>> path = tiny_tool_model()                                                     # doctest: +SKIP
+    >>> rlkit.Trainer(model=path, dataset=Calculator(digits=(2, 1)), tools=[calculator],  # doctest: +SKIP
+    ...               multi_turn=rlkit.MultiTurn(tool_prompt=TINY_TOOL_PROMPT), ...)
+    """
+    from rlkit.models import tiny_lm
+    from rlkit.tasks.sft import sft_warmstart
+
+    base = tiny_lm("qwen2", size="small", max_position_embeddings=1024)
+    demos = Calculator(digits=(2, 1)).demonstrations(base, TINY_TOOL_PROMPT)
+    return sft_warmstart(base, demos, steps=steps, batch_size=16, lr=3e-3, seed=seed, progress=progress)
+
+
 def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
     """A tool call in the Hermes format the agent parses (``rlkit.agent.tools``).
 
@@ -129,4 +152,4 @@ def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
-__all__ = ["Calculator", "CalculatorDemos", "calculator", "tool_call_text"]
+__all__ = ["TINY_TOOL_PROMPT", "Calculator", "CalculatorDemos", "calculator", "tiny_tool_model", "tool_call_text"]
