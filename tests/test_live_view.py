@@ -325,6 +325,77 @@ def test_save_plots_writes_the_pngs(rows, tmp_path):
     assert save_plots(drop(rows[:3], "reward/"), tmp_path / "r2") == [str(tmp_path / "r2" / "dashboard.png")]
 
 
+# ---- a multi-turn run's episodes ------------------------------------------------------------------------
+EPISODE_PANELS = ["turns per episode", "tool calls per episode", "tool errors per episode",
+                  "truncated (fraction of episodes)"]
+
+
+def test_a_multi_turn_run_draws_its_episodes(tmp_path, capsys):
+    """A real agentic run (the tiny tool model, rlkit.tasks.calc) through ``fit``: the live view draws turns,
+    tool calls and tool errors per episode (all, and by kind) and the truncated share, each step's value the
+    mean over that step's episodes as ``trainer.samples()`` lists them; the tqdm postfix says the turns."""
+    import rlkit
+    from rlkit.tasks import calc
+
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression; an odd result raises (so some calls fail).
+
+        Args:
+            expression: the expression, e.g. "12 * 4"
+        """
+        out = calc.calculator(expression)
+        if int(out) % 2:
+            raise ValueError(f"{out} is odd")
+        return out
+
+    tr = rlkit.Trainer(model=calc.tiny_tool_model(), dataset=calc.Calculator(digits=(2, 1)), tools=[calculator],
+                       algorithm="grpo", rollout=rlkit.Rollout(engine="hf", n=2, max_new_tokens=96),
+                       # 110 response tokens: a call, its result and a short answer fit; a long error message
+                       # leaves no room for the answer (truncated)
+                       multi_turn=rlkit.MultiTurn(max_turns=3, max_tokens=110, tool_prompt=calc.TINY_TOOL_PROMPT),
+                       prompts_per_step=4, lr=1e-3, seed=0, run_dir=str(tmp_path / "run"))
+    try:
+        df = tr.fit(steps=3, view="tqdm")
+        samples = tr.samples()
+    finally:
+        tr.close()
+    samples["truncated"] = (samples["finish_reason"] == "max_tokens").astype(float)
+    by_step = samples.groupby("step")[["turns", "tool_calls", "tool_errors", "truncated"]].mean()
+    assert by_step.index.tolist() == [1, 2, 3] and len(samples) == 3 * 8
+    axes = {ax.get_title(): ax for ax in metrics_figure(df).axes}
+    # after the single-turn curves (kl_coef=0: no KL), before the off-policy ones
+    assert list(axes)[:3 + len(EPISODE_PANELS)] == ["reward", "entropy", "response length", *EPISODE_PANELS]
+    for title, column in zip(EPISODE_PANELS, by_step.columns):
+        drawn = axes[title].lines[0].get_ydata()
+        assert list(drawn) == pytest.approx(by_step[column].tolist()), (title, list(drawn))
+    # this run has episodes that turn 1 or 2 times, failed calls and truncated episodes: every panel moves
+    assert 1 <= by_step["turns"].min() < by_step["turns"].max() <= 3
+    assert by_step["tool_errors"].max() > 0 and by_step["truncated"].max() > 0
+    # the tool errors by kind: one dashed line per kind that occurred, 0 where a step had none; they add up
+    errors = axes["tool errors per episode"]
+    kinds = sorted(k.split("/")[-1] for k in df.columns if k.startswith("episode/errors/"))
+    assert "raised" in kinds and [ln.get_label() for ln in errors.lines] == ["all", *kinds]
+    assert sum(ln.get_ydata() for ln in errors.lines[1:]) == pytest.approx(list(errors.lines[0].get_ydata()))
+    assert (tmp_path / "run" / "dashboard.png").exists()
+    last = by_step.iloc[-1]
+    tail = capsys.readouterr().err.strip().split("\r")[-1]  # the finished bar: step 3's postfix
+    for part in (f"turns={last['turns']:.2g}", f"calls={last['tool_calls']:.2g}", f"tool_err={last['tool_errors']:.2g}"):
+        assert part in tail, tail
+
+
+def test_episode_panels_only_for_episode_rows(rows):
+    assert not set(EPISODE_PANELS) & set(panels(pd.DataFrame(rows)))  # a single-turn run: none of them
+    view = LiveView(2, mode="none")
+    view.update({"step": 1, "episode/turns": 2.0, "episode/tool_calls": 1.0, "episode/tool_errors": 0.0,
+                 "episode/truncated": 0.0})
+    view.update({"step": 2, "episode/turns": 1.5, "episode/tool_calls": 1.0, "episode/tool_errors": 0.5,
+                 "episode/truncated": 0.25, "episode/errors/timeout": 0.5})
+    assert panels(view.df) == EPISODE_PANELS
+    assert view.postfix().startswith("turns=1.5 calls=1 tool_err=0.5 s/step=")
+    timeout = {ax.get_title(): ax for ax in view.figure().axes}["tool errors per episode"].lines[1]
+    assert timeout.get_label() == "timeout" and list(timeout.get_ydata()) == [0.0, 0.5]  # absent in step 1: 0
+
+
 # ---- a real notebook kernel --------------------------------------------------------------------------
 def test_notebook_shows_exactly_one_widget():
     import nbformat

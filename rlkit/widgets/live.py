@@ -8,7 +8,8 @@ Where it runs decides what it draws:
 - Jupyter (an IPython kernel): ONE ipywidgets VBox (progress bar, a status line, an Image of the
   dashboard PNG) displayed once; every update replaces widget values, so the cell output never piles up
   and the kernel never blocks on a frontend.
-- A terminal: a tqdm bar with a compact postfix (reward, rolling reward, kl, s/step); no drawing.
+- A terminal: a tqdm bar with a compact postfix (reward, rolling reward, kl, s/step; the staleness of an
+  off-policy run, the turns, tool calls and tool errors per episode of a multi-turn one); no drawing.
 
 Figures are bare ``matplotlib.figure.Figure`` objects rendered by Agg (no pyplot global state, nothing
 registered to close). A redraw of 500 rows takes ~0.1 s here; when drawing gets slow relative to the
@@ -47,14 +48,22 @@ MODES = ("auto", "widget", "tqdm", "none")
 # The phases of one RL step, stacked in dataflow order (the trainer's `timing/<phase>` keys).
 PHASES = ("sync", "generate", "reward", "ref", "values", "old_logprobs", "advantage", "update_critic", "update")
 PHASE_COLORS = ("#DA8BC3", "#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8C8C8C", "#8172B3", "#CCB974", "#937860")
-# Scalar curves: (title, key). The reward, timing and memory panels are drawn specially.
+# Scalar curves: (title, key). The reward, tool errors, timing and memory panels are drawn specially.
+TOOL_ERRORS = "tool errors per episode"
 LINE_PANELS = (("KL", "kl"), ("entropy", "entropy"), ("response length", "response_length/mean"),
+               # multi-turn episodes (rlkit.agent.episode_metrics): means per episode, and the share of the
+               # episodes cut at MultiTurn.max_tokens
+               ("turns per episode", "episode/turns"),
+               ("tool calls per episode", "episode/tool_calls"),
+               (TOOL_ERRORS, "episode/tool_errors"),
+               ("truncated (fraction of episodes)", "episode/truncated"),
                # off-policy runs (async RL, or the correction on): how old the batch was and how far the engine
                # that sampled it is from the trainer (rlkit.algos.offpolicy)
                ("staleness (versions behind)", "offpolicy/staleness_max"),
                ("engine vs trainer max |Δ log p|", "offpolicy/max_abs_dlogp"),
                ("importance ratio pi_old/mu max", "offpolicy/ratio_max"))
 RANK_KEY = re.compile(r"^memory/rss_gb/rank(\d+)$")
+ERROR_KEY = re.compile(r"^episode/errors/(.+)$")  # tool errors of one kind per episode (bad_json, timeout, ...)
 DPI = 80  # 12x6 in -> 960x480 px: readable in a notebook, cheap to render
 
 
@@ -214,6 +223,18 @@ def _timing_panel(ax: Any, df: pd.DataFrame, x: Any) -> None:
     _legend_on_top(ax)
 
 
+def _tool_errors_panel(ax: Any, df: pd.DataFrame, x: Any) -> None:
+    """Tool errors per episode: all of them, and one line per kind that occurred. A step's row has a kind's
+    key only when that kind occurred in it, so a kind absent from a row that has the total counts 0 there."""
+    total = df["episode/tool_errors"]
+    ax.plot(x, total.to_numpy(), "-", lw=1.6, color="#C44E52", label="all")
+    kinds = sorted((ERROR_KEY.match(k).group(1), k) for k in df.columns if ERROR_KEY.match(k) and _has(df, k))
+    for kind, k in kinds:
+        ax.plot(x, df[k].where(total.isna(), df[k].fillna(0.0)).to_numpy(), "--", lw=1.0, label=kind)
+    if kinds:
+        _legend_on_top(ax)
+
+
 def _memory_panel(ax: Any, df: pd.DataFrame, x: Any) -> None:
     ranks = _rank_keys(df)
     for k in ranks:
@@ -254,7 +275,9 @@ def metrics_figure(df_or_rows: pd.DataFrame | list[dict[str, Any]], *, rolling: 
     """The dashboard for the rows so far as a bare Agg ``Figure`` (no pyplot state; drop it when done).
 
     Panels, each only when its keys are present: reward (points, rolling mean, ± std band), KL, entropy,
-    response length, phase timing (stacked per step), memory per worker. ``only`` restricts to some titles.
+    response length; a multi-turn run's turns, tool calls and tool errors (all, and by kind) per episode and
+    its truncated share; an off-policy run's staleness, engine/trainer mismatch and importance ratios; phase
+    timing (stacked per step), memory per worker. ``only`` restricts to some titles.
     ``fig``: a figure this function drew before; when its panels are still the same they are redrawn in
     place (keeps the axes and their ticks: about half the cost of a fresh figure).
 
@@ -287,6 +310,8 @@ def metrics_figure(df_or_rows: pd.DataFrame | list[dict[str, Any]], *, rolling: 
             _timing_panel(ax, df, x)
         elif name == "memory per worker (GiB)":
             _memory_panel(ax, df, x)
+        elif name == TOOL_ERRORS:
+            _tool_errors_panel(ax, df, x)
         else:
             ax.plot(x, df[line_keys[name]].to_numpy(), "-", lw=1.2, color="#4C72B0")
         ax.autoscale_view()
@@ -529,7 +554,8 @@ class LiveView:
         return " · ".join(parts)
 
     def postfix(self) -> str:
-        """The tqdm postfix: 'reward=.. roll=.. kl=.. s/step=..' (unknown parts left out)."""
+        """The tqdm postfix: 'reward=.. roll=.. kl=.. [stale=..] [turns=.. calls=.. tool_err=..] s/step=..'
+        (unknown parts left out; the bracketed ones come with off-policy and multi-turn runs)."""
         parts = []
         reward = self._last("reward/mean")
         if reward is not None:
@@ -540,6 +566,10 @@ class LiveView:
         stale = self._last("offpolicy/staleness_max")
         if stale is not None:
             parts.append(f"stale={stale:g}")
+        for name, key in (("turns", "episode/turns"), ("calls", "episode/tool_calls"), ("tool_err", "episode/tool_errors")):
+            value = self._last(key)  # means per episode over the step's episodes
+            if value is not None:
+                parts.append(f"{name}={_fmt(value, 2)}")
         sps = self.seconds_per_step()
         if sps:
             parts.append(f"s/step={_fmt(sps, 2)}")
