@@ -258,3 +258,45 @@ def test_lora_adapters_reach_the_vllm_engine(tmp_path):
         assert batch.sync and all(r.get("bytes", 0) <= adapter_bytes for r in batch.sync), (batch.sync, adapter_bytes)
     finally:
         tr.close()
+
+
+def test_multi_turn_episodes_with_tools_on_vllm(tmp_path):
+    """The vLLM engine runs the same multi-turn episodes (rlkit.agent): greedy, token for token the HF
+    engine's, tool calls and glue included; sampled, its log-probs of the sampled tokens equal a training
+    forward on the same ids; and a Trainer with engine="vllm" trains on them."""
+    from _logprob_ref import forward_logprobs
+
+    from rlkit.agent import Agent, MultiTurn, run_episodes
+    from rlkit.rollout import VLLMEngine
+    from rlkit.tasks.calc import TINY_TOOL_PROMPT, Calculator, calculator, tiny_tool_model
+
+    path, task = tiny_tool_model(), Calculator(digits=(2, 1))
+    settings = MultiTurn(max_turns=3, max_tokens=240, tool_prompt=TINY_TOOL_PROMPT)
+    agent = Agent.of(tools=[calculator], settings=settings, max_new_tokens=96)
+    engine = VLLMEngine(path, n=2, max_new_tokens=96, dtype="float32", kv_cache_gb=1, seed=0)
+    try:
+        fmt = agent.format(engine.tokenizer)
+        prompts = [fmt.render_prompt(r["prompt"]) for r in task.dataset(n=4, seed=5)]
+        v = run_episodes(engine, agent, prompts, seed=0, temperature=0.0, n=1)
+        h = run_episodes(HFEngine(path, n=2, max_new_tokens=96), agent, prompts, seed=0, temperature=0.0, n=1)
+        assert sum(e["tool_calls"] for e in v.episodes) > 0, v.messages
+        assert torch.equal(v.response_ids, h.response_ids) and torch.equal(v.loss_mask, h.loss_mask)
+        assert v.finish_reason == h.finish_reason
+        s = run_episodes(engine, agent, prompts, seed=1)
+        model, _ = load(path)
+        diff = max_masked_diff(s.response_logprobs, forward_logprobs(model, s, 1.0), s.loss_mask)
+        print(f"multi-turn vLLM vs HF forward: max |dlogp| = {diff:.2e} over {int(s.loss_mask.sum())} sampled tokens")
+        assert diff < TOL
+    finally:
+        engine.close()
+    tr = rlkit.Trainer(model=path, dataset=task, tools=[calculator], multi_turn=settings, algorithm="grpo",
+                       rollout=rlkit.Rollout(engine="vllm", n=2, max_new_tokens=96, dtype="float32", kv_cache_gb=1),
+                       prompts_per_step=4, lr=1e-3, run_dir=str(tmp_path / "run"))
+    try:
+        rows = tr.fit(steps=2, view="none")
+        assert rows["episode/tool_calls"].gt(0).all() and rows["actor/loss"].notna().all()
+        gen = tr.generate().gen
+        actor = tr.workers.old_logprobs({k: gen[k] for k in ("input_ids", "attention_mask", "response_mask")})
+        assert max_masked_diff(actor, gen["rollout_logprobs"], gen["loss_mask"]) < TOL
+    finally:
+        tr.close()

@@ -1,0 +1,393 @@
+"""Multi-turn episodes with tools and environments (rlkit.agent), end to end on tiny models.
+
+The tool-using model is ``rlkit.tasks.calc.tiny_tool_model()``: a tiny Qwen2 after a short SFT on calculator
+demonstrations (built once, cached), so its episodes really call the tool, read the result and answer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+from _logprob_ref import layout_logprobs
+
+import rlkit
+from rlkit.agent import ChatFormat, EnvStep, MultiTurn, as_tools, parse_tool_calls, run_tool_calls
+from rlkit.errors import TrainerError
+from rlkit.models import load, tiny_lm
+from rlkit.tasks.calc import TINY_TOOL_PROMPT, Calculator, calculator, tiny_tool_model
+
+TASK = Calculator(digits=(2, 1))
+TOL = 1e-4  # fp32 engine log-probs against a training forward (as single-turn, tests/test_trainer.py)
+
+
+@pytest.fixture(scope="module")
+def tool_model() -> str:
+    return tiny_tool_model()
+
+
+def _trainer(path, tmp_path, name, tools=(calculator,), **kw):
+    opts = dict(model=path, dataset=TASK, tools=list(tools), algorithm="grpo",
+                multi_turn=MultiTurn(max_turns=3, max_tokens=240, tool_prompt=TINY_TOOL_PROMPT, tool_timeout_s=2.0),
+                rollout=rlkit.Rollout(engine="hf", n=2, max_new_tokens=96), prompts_per_step=4, lr=1e-3,
+                kl_coef=0.01, entropy_coef=0.01, run_dir=str(tmp_path / name), seed=3)
+    return rlkit.Trainer(**{**opts, **kw})
+
+
+# ---- tools: every failure is a message and a count, never a crash ------------------------------------------
+def test_every_kind_of_tool_failure_is_a_message_to_the_model_and_counted():
+    def boom(x: str) -> str:
+        """Raise.
+
+        Args:
+            x: anything
+        """
+        raise ValueError("no " + x)
+
+    def number(x: str) -> str:
+        """Return a number, not text.
+
+        Args:
+            x: anything
+        """
+        return 7  # type: ignore[return-value]
+
+    def hang(x: str) -> str:
+        """Never return in time.
+
+        Args:
+            x: anything
+        """
+        time.sleep(30)
+        return x
+
+    def huge(x: str) -> str:
+        """Return a lot.
+
+        Args:
+            x: anything
+        """
+        return x * 10_000
+
+    tools = as_tools([boom, number, hang, huge, calculator])
+    text = "".join(f'<tool_call>{json.dumps({"name": n, "arguments": {"x": "ab"}})}</tool_call>'
+                   for n in ("boom", "number", "hang", "huge"))
+    text += '<tool_call>{"name": "calculator", "arguments": {"expression": 12}}</tool_call>'   # wrong type
+    text += '<tool_call>{"name": "calculator", "arguments": {"expr": "1+1"}}</tool_call>'     # wrong name
+    text += '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'                          # unknown tool
+    text += '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"</tool_call>'   # bad JSON
+    text += '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'  # fine
+    text += '<tool_call>{"name": "calculator"'                                                   # never closed
+    calls = parse_tool_calls(text)
+    t0 = time.monotonic()
+    results = run_tool_calls(calls, tools, timeout_s=0.5, max_chars=100)
+    assert time.monotonic() - t0 < 25  # the hung tool was not waited for (bound against a hang, not a speed)
+    kinds = [r.error for r in results]
+    assert kinds == ["raised", "not_string", "timeout", "truncated", "bad_arguments", "bad_arguments",
+                     "unknown_tool", "bad_json", None, "bad_json"], kinds
+    assert results[0].content == "Error: boom raised ValueError: no ab"
+    assert results[3].content.startswith("ab" * 50) and "[truncated: 20000 characters]" in results[3].content
+    assert "must be a string" in results[4].content and "missing ['expression']" in results[5].content
+    assert results[8].content == "42"
+
+
+def test_bad_tool_or_environment_configuration_fails_in_the_driver(tmp_path):
+    def no_hints(expression):
+        """Evaluate.
+
+        Args:
+            expression: what
+        """
+        return expression
+
+    def no_doc(expression: str) -> str:
+        return expression
+
+    class NoStep:
+        def reset(self, row):
+            return [{"role": "user", "content": "hi"}]
+
+    base = tiny_lm("qwen2", size="test", max_position_embeddings=1024)
+    cases = [
+        (dict(tools=[no_hints]), r"tool 'no_hints' cannot be described.*type hint on every argument"),
+        (dict(tools=[no_doc]), r"tool 'no_doc' cannot be described.*docstring"),
+        (dict(tools=[calculator, calculator]), r"two tools are named 'calculator'"),
+        (dict(tools=calculator), r"must be a list of functions; wrap a single tool: tools=\[calculator\]"),
+        (dict(environment=NoStep), r"environment NoStep has no step\(\)"),
+        (dict(environment=NoStep()), r"must be a class or factory"),
+        (dict(tools=[calculator], multi_turn=MultiTurn(max_turns=2), max_turns=3), r"disagree"),
+    ]
+    for kw, message in cases:
+        with pytest.raises(TrainerError, match=message):
+            rlkit.Trainer(model=base, dataset=TASK, run_dir=str(tmp_path / "r"), **kw)
+    with pytest.raises(TrainerError, match=r"max_turns=0 must be"):
+        MultiTurn(max_turns=0)
+
+
+def test_the_glue_is_the_templates_own_rendering_of_the_conversation():
+    """Prompt + the model's turn + glue, as text, is exactly apply_chat_template of the whole conversation,
+    for a template without tool syntax (rlkit's tool prompt) and for one that renders tools itself."""
+    from rlkit.rollout.base import load_tokenizer
+
+    tok = load_tokenizer(tiny_lm("qwen2", size="test"))
+    native = ("{% if tools %}<|im_start|>system\nTOOLS {{ tools | length }}<|im_end|>\n{% endif %}"
+              "{% for m in messages %}<|im_start|>{% if m.role == 'tool' %}user\n<tool_response>{{ m.content }}"
+              "</tool_response>{% else %}{{ m.role }}\n{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tools = as_tools([calculator])
+    user = [{"role": "user", "content": "What is 12 * 3?"}]
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 3"}}\n</tool_call>'
+    reply = [{"role": "tool", "name": "calculator", "content": "36"}]
+    for template in (tok.chat_template, native):
+        saved, tok.chat_template = tok.chat_template, template
+        try:
+            fmt = ChatFormat(tok, tools)
+            assert fmt.native == (template is native)
+            text = fmt.render_prompt(user) + call + "<|im_end|>" + fmt.glue_text(reply, ended_turn=True)
+            whole = fmt.with_tools(user + [{"role": "assistant", "content": call}] + reply)
+            kwargs = {"tools": [t.schema for t in tools]} if fmt.native else {}
+            assert text == tok.apply_chat_template(whole, tokenize=False, add_generation_prompt=True, **kwargs)
+            assert tok.decode([fmt.end_of_turn]) == "<|im_end|>"
+        finally:
+            tok.chat_template = saved
+
+
+# ---- episodes on a model that calls the tool ----------------------------------------------------------------
+def test_episodes_are_token_in_token_out_masked_and_score_like_a_forward(tool_model, tmp_path):
+    tr = _trainer(tool_model, tmp_path, "one")
+    try:
+        batch = tr.generate()
+        gen, P = batch.gen, tr.layout.prompt_len
+        eps = gen["episode"]
+        assert sum(e["tool_calls"] for e in eps) >= len(eps) // 2, eps  # the warm-started model calls the tool
+        assert any(e["turns"] >= 2 for e in eps), eps
+        fmt = tr.agent.format(tr.tokenizer)
+        tok = tr.tokenizer
+        for i, conv in enumerate(gen["completion"]):
+            ids = gen["input_ids"][i, P:][gen["response_mask"][i].bool()].tolist()
+            keep = gen["loss_mask"][i][gen["response_mask"][i].bool()].bool().tolist()
+            # runs of sampled (1) and not sampled (0) tokens, in order
+            runs, start = [], 0
+            for j in range(1, len(ids) + 1):
+                if j == len(ids) or keep[j] != keep[start]:
+                    runs.append((keep[start], ids[start:j]))
+                    start = j
+            assistant = [m for m in conv if m["role"] == "assistant"]
+            sampled = [r for k, r in runs if k]
+            assert len(sampled) == len(assistant) == eps[i]["turns"]
+            for r, m in zip(sampled, assistant):  # the model's own tokens, never re-encoded
+                assert tok.decode(r, skip_special_tokens=True) == m["content"]
+            masked = [r for k, r in runs if not k]
+            tools = [m for m in conv if m["role"] == "tool"]
+            assert len(masked) == len(tools)  # exactly one masked run per tool result: the template's glue
+            for r, m, turn in zip(masked, tools, sampled):
+                ended = turn[-1] == fmt.end_of_turn
+                assert r == fmt.glue_ids([m], ended_turn=ended)
+                assert m["content"] == calculator(json.loads(tok.decode(turn, skip_special_tokens=True)
+                                                             .split("<tool_call>")[1].split("</tool_call>")[0])
+                                                  ["arguments"]["expression"])
+        # the engine's log-probs of the sampled tokens equal a training forward on the same ids
+        model, _ = load(tool_model)
+        ref = layout_logprobs(model, gen, P)
+        mask = gen["loss_mask"].bool()
+        assert (ref - gen["rollout_logprobs"])[mask].abs().max().item() < TOL
+        actor = tr.workers.old_logprobs({k: gen[k] for k in ("input_ids", "attention_mask", "response_mask")})
+        assert (actor - gen["rollout_logprobs"])[mask].abs().max().item() < TOL
+        # and a step trains on it: the metrics count the episodes
+        row = tr.update(tr.estimate(batch))
+        assert row["episode/tool_calls"] == sum(e["tool_calls"] for e in eps) / len(eps)
+        assert row["response_length/mean"] == gen["loss_mask"].sum(1).mean().item()
+        s = tr.samples(last=1)
+        assert s["completion"].str.contains(r"\[tool calculator\]").any()
+        assert {"turns", "tool_calls", "tool_errors", "finish_reason"} <= set(s.columns)
+        ev = tr.evaluate(n=8)
+        assert ev["n"] == 8 and ev["episode/tool_calls"] > 0
+    finally:
+        tr.close()
+
+
+def test_tool_tokens_carry_no_gradient_whatever_the_tool_said(tool_model, tmp_path):
+    """The policy loss with KL and entropy, as the update computes it (rlkit.workers.rl.actor_loss), has zero
+    gradient on every non-sampled position's log-prob and entropy, and changing the tool's output text changes
+    neither those zeros nor the gradient on the model's tokens before it."""
+    from rlkit.workers.rl import actor_loss
+
+    tr = _trainer(tool_model, tmp_path, "grad")
+    try:
+        batch = tr.estimate(tr.generate())
+        tensors, P = dict(batch.tensors), tr.layout.prompt_len
+        tensors["ref_logprobs"] = tensors["ref_logprobs"] - 0.1  # a KL that is not zero
+        settings = tr.update_settings()
+        model, _ = load(tool_model)
+
+        def grads(input_ids):
+            t = dict(tensors, input_ids=input_ids)
+            logits = model(input_ids, attention_mask=t["attention_mask"]).logits.float()
+            lp_all = torch.log_softmax(logits[:, :-1], -1).gather(2, input_ids[:, 1:, None])[..., 0]
+            lp_all = torch.cat([torch.zeros(lp_all.shape[0], 1), lp_all], 1).detach().requires_grad_(True)
+            ent = torch.rand_like(lp_all).requires_grad_(True)
+            loss, _ = actor_loss(tr.layout, {"logprobs": lp_all, "entropy": ent}, t, settings)
+            loss.backward()
+            return lp_all.grad[:, P:], ent.grad[:, P:]
+
+        glue = (tensors["response_mask"] - tensors["loss_mask"]).bool()
+        assert glue.any()
+        g_lp, g_ent = grads(tensors["input_ids"])
+        assert (g_lp[glue] == 0).all() and (g_ent[glue] == 0).all()
+        assert (g_lp[tensors["loss_mask"].bool()] != 0).any()
+        # another tool output: every glue token replaced (e.g. a tool that printed something else)
+        other = tensors["input_ids"].clone()
+        other[:, P:][glue] = (other[:, P:][glue] + 7) % 500 + 4
+        g2_lp, g2_ent = grads(other)
+        assert (g2_lp[glue] == 0).all() and (g2_ent[glue] == 0).all()
+        first_glue = torch.where(glue.any(1), glue.float().argmax(1), torch.full((glue.shape[0],), glue.shape[1]))
+        before = torch.arange(glue.shape[1])[None] < first_glue[:, None]
+        assert torch.equal(g_lp[before], g2_lp[before])  # the loss is a function of the sampled log-probs alone
+    finally:
+        tr.close()
+
+
+def test_a_failing_or_hanging_tool_is_counted_and_the_run_goes_on(tool_model, tmp_path):
+    def calculator(expression: str) -> str:  # the same name the model learned to call, but broken
+        """Evaluate an arithmetic expression.
+
+        Args:
+            expression: e.g. "12 * 3"
+        """
+        if "1" in expression:
+            time.sleep(5)  # past the 2 s timeout
+        raise RuntimeError("the calculator is broken")
+
+    tr = _trainer(tool_model, tmp_path, "broken", tools=[calculator])
+    try:
+        rows = tr.fit(steps=2, view="none")
+        calls = rows["episode/tool_calls"].sum()
+        errors = rows[[c for c in rows.columns if c.startswith("episode/errors/")]].sum(axis=1).sum()
+        assert calls > 0 and errors == pytest.approx(rows["episode/tool_errors"].sum())
+        assert rows["episode/tool_errors"].sum() == pytest.approx(calls), rows.filter(like="episode/")
+        assert (rows.get("episode/errors/raised", 0) + rows.get("episode/errors/timeout", 0)).sum() > 0
+        assert rows["actor/loss"].notna().all()
+        s = tr.samples(last=1)
+        assert s["completion"].str.contains("Error: calculator").any()
+    finally:
+        tr.close()
+
+
+def test_bounded_episodes_end_and_are_marked_truncated(tool_model, tmp_path):
+    tr = _trainer(tool_model, tmp_path, "bounds", multi_turn=MultiTurn(max_turns=1, tool_prompt=TINY_TOOL_PROMPT))
+    try:
+        gen = tr.generate().gen
+        called = [e["tool_calls"] > 0 for e in gen["episode"]]
+        assert any(called)
+        for c, why, e in zip(called, gen["finish_reason"], gen["episode"]):
+            assert e["turns"] == 1 and why == ("max_turns" if c else why)
+    finally:
+        tr.close()
+    # a budget too small for the tool's reply: the episode ends before it, marked truncated
+    tr = _trainer(tool_model, tmp_path, "short", multi_turn=MultiTurn(max_turns=3, max_tokens=100,
+                                                                        tool_prompt=TINY_TOOL_PROMPT))
+    try:
+        gen = tr.generate().gen
+        assert gen["response_mask"].sum(1).max() <= 100
+        truncated = [e["truncated"] for e in gen["episode"]]
+        assert any(truncated) and all((w == "max_tokens") == t for w, t in zip(gen["finish_reason"], truncated))
+    finally:
+        tr.close()
+
+
+class Countdown:
+    """An environment: the user counts down from the row's start, one number per assistant turn; each turn
+    earns 0.25 and the episode ends at 0."""
+
+    def reset(self, row):
+        self.left = int(row["start"])
+        return [{"role": "user", "content": f"count down from {self.left}"}]
+
+    def step(self, message):
+        self.left -= 1
+        return EnvStep([{"role": "user", "content": str(self.left)}], done=self.left <= 0, reward=0.25)
+
+
+def test_an_environment_steps_rewards_and_its_messages_are_masked(tmp_path):
+    path = tiny_lm("qwen2", size="test", max_position_embeddings=1024)
+    rows = [{"prompt": "unused", "start": s} for s in (2, 3, 2, 3)]
+    tr = rlkit.Trainer(model=path, dataset=rows, environment=Countdown, max_turns=4, algorithm="grpo",
+                       rollout=rlkit.Rollout(engine="hf", n=2, max_new_tokens=6), prompts_per_step=4, lr=1e-3,
+                       run_dir=str(tmp_path / "env"))
+    try:
+        assert "count down from" in tr.rows[0]["prompt"] and "unused" not in tr.rows[0]["prompt"]
+        batch = tr.generate()
+        gen = batch.gen
+        starts = gen["columns"]["start"]
+        for e, why, start in zip(gen["episode"], gen["finish_reason"], starts):
+            if why == "done":  # the environment ended it after `start` turns, 0.25 each
+                assert e["turns"] == start and e["env_reward"] == pytest.approx(0.25 * start)
+        assert batch.rewards.tolist() == [e["env_reward"] or 0.0 for e in gen["episode"]]
+        glue = (gen["response_mask"] - gen["loss_mask"]).bool()
+        user_turns = sum(sum(m["role"] == "user" for m in c) for c in gen["completion"])
+        assert glue.any() and user_turns > 0
+        row = tr.update(tr.estimate(batch))
+        assert row["reward/mean"] == pytest.approx(batch.rewards.mean().item())
+    finally:
+        tr.close()
+
+
+# ---- the layouts rlkit has: each against the one-rank run on the same seed -----------------------------------
+def _expected(tr, dp: int) -> dict:
+    """Step 0's episodes as a lone HF engine samples them, prompt chunk by DP rank with each rank's seed (the
+    layout's convention, ``SequenceLayout.rank_seed``): what every layout must produce."""
+    from rlkit.rollout import HFEngine
+    from rlkit.workers.batch import concat_batches
+    from rlkit.workers.layout import generate_batch
+
+    engine = HFEngine(tr.model_path, config=tr.rollout)
+    rows = tr._prompts_of(0)
+    k = len(rows) // dp
+    parts = []
+    for r in range(dp):
+        chunk = rows[r * k:(r + 1) * k]
+        request = {"prompt": [p["prompt"] for p in chunk], "uid": list(range(r * k, (r + 1) * k)),
+                   "row": [p["_row"] for p in chunk]}
+        parts.append(generate_batch(engine, tr.layout, request, tr.layout.rank_seed(tr.config.seed * 100_003, r),
+                                    agent=tr.agent))
+    return concat_batches(parts)
+
+
+def _same_episodes(gen: dict, want: dict, name: str) -> None:
+    assert torch.equal(gen["input_ids"], want["input_ids"]), name
+    assert torch.equal(gen["loss_mask"], want["loss_mask"]), name
+    assert gen["finish_reason"] == want["finish_reason"] and gen["episode"] == want["episode"], name
+    assert (gen["rollout_logprobs"] - want["rollout_logprobs"]).abs().max().item() < TOL, name
+
+
+def test_dp2_on_ray_and_the_generation_layout_match_the_one_rank_run(tool_model, tmp_path, ray_cluster):
+    """Per-episode, per-turn seeds: dp=2 on Ray and the 3D-HybridEngine's generation layout (tp=2) sample the
+    episodes a lone engine samples for their chunks, and an update on the same batch gives the one-rank
+    update's loss and gradient norm."""
+    import copy
+
+    layouts = {"dp2": dict(plan=rlkit.ParallelPlan(dp=2), cluster=ray_cluster),
+               "hybrid": dict(plan=rlkit.ParallelPlan(tp=2), cluster=ray_cluster,
+                              rollout=rlkit.Rollout(engine="hf", n=2, max_new_tokens=96, tp=2))}
+    for name, kw in layouts.items():
+        tr = _trainer(tool_model, tmp_path, name, kl_coef=0.0, entropy_coef=0.0, **kw)
+        try:
+            batch = tr.generate()
+            want = _expected(tr, dp=tr.plan.dp)
+            assert sum(e["tool_calls"] for e in want["episode"]) > 0
+            _same_episodes(batch.gen, want, name)
+            same = copy.deepcopy(batch)
+            row = tr.update(tr.estimate(batch))
+        finally:
+            tr.close()
+        one = _trainer(tool_model, tmp_path, f"one-{name}", kl_coef=0.0, entropy_coef=0.0)
+        try:
+            if name == "hybrid":  # one DP replica: the one-rank run samples the very same episodes
+                _same_episodes(one.generate().gen, want, "one rank")
+            ref = one.update(one.estimate(same))
+        finally:
+            one.close()
+        for key in ("actor/loss", "actor/grad_norm", "reward/mean", "episode/tool_calls", "response_length/mean"):
+            assert row[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (name, key, row[key], ref[key])
