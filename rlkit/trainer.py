@@ -562,8 +562,10 @@ class Trainer:
 
     @classmethod
     def load(cls, path: str | os.PathLike, dataset: Any, reward: Any = None, cluster: Any = None,
-             callbacks: Sequence[Callable] = (), **overrides: Any) -> Trainer:
-        """Resume from ``save``: same model, plan, rollout and config; pass the same dataset and reward.
+             callbacks: Sequence[Callable] = (), tools: Sequence[Callable] | None = None, environment: Any = None,
+             **overrides: Any) -> Trainer:
+        """Resume from ``save``: same model, plan, rollout and config; pass the same dataset and reward (and for
+        a multi-turn run the same ``tools`` / ``environment``: functions are not saved, the episode bounds are).
 
         The checkpoint is checked in the driver before workers start (``rlkit.checkpoint``): a missing or
         damaged file, another model's checkpoint or a newer rlkit's is a ``CheckpointError`` naming the file
@@ -574,7 +576,18 @@ class Trainer:
         path = Path(path).expanduser().absolute()
         state, plan = checkpoint.verified_state(path)  # every check the driver can make, before any worker
         config = TrainerConfig(**{**state["config"], **overrides})
-        self = cls(state["model"], dataset, reward, state["algorithm"], plan=plan,
+        multi_turn = None
+        if state.get("multi_turn") is not None:  # a multi-turn run: its bounds are saved, its tools are code
+            from rlkit.agent import MultiTurn
+
+            saved = state["multi_turn"]
+            if tools is None and environment is None:
+                raise TrainerError(f"the checkpoint {path} trained multi-turn episodes with tools {saved['tools']} and "
+                                   f"environment {saved['environment']}; pass them again: Trainer.load(path, dataset, "
+                                   f"tools=[...], environment=...)")
+            multi_turn = MultiTurn(**saved["settings"])
+        self = cls(state["model"], dataset, reward, state["algorithm"], plan=plan, tools=tools, environment=environment,
+                   multi_turn=multi_turn,
                    rollout=Rollout(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["rollout"].items()}),
                    cluster=cluster, config=config, callbacks=callbacks, placement=state.get("placement", "colocated"),
                    rollout_workers=state.get("rollout_workers") or 1)
@@ -601,7 +614,10 @@ class Trainer:
         return {"model": self.model_path, "algorithm": self.algorithm, "plan": plan, "placement": self.placement.kind,
                 "rollout_workers": self.placement.rollout_workers,
                 "rollout": dataclasses.asdict(self.rollout),
-                "config": {**dataclasses.asdict(self.config), "lora": lora_to_dict(self.config.lora)}}
+                "config": {**dataclasses.asdict(self.config), "lora": lora_to_dict(self.config.lora)},
+                "multi_turn": None if self.agent is None else {
+                    "settings": dataclasses.asdict(self.agent.settings), "tools": [t.name for t in self.agent.tools],
+                    "environment": getattr(self.agent.environment, "__name__", None)}}
 
     def close(self) -> None:
         """Stop the worker groups and give their CPUs/GPUs back (the cluster stays up). Idempotent."""

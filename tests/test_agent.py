@@ -391,3 +391,24 @@ def test_dp2_on_ray_and_the_generation_layout_match_the_one_rank_run(tool_model,
             one.close()
         for key in ("actor/loss", "actor/grad_norm", "reward/mean", "episode/tool_calls", "response_length/mean"):
             assert row[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (name, key, row[key], ref[key])
+
+
+def test_a_multi_turn_checkpoint_resumes_exactly_and_asks_for_its_tools(tool_model, tmp_path):
+    tr = _trainer(tool_model, tmp_path, "save")
+    try:
+        tr.fit(steps=1, view="none")
+        ckpt = tr.save(tmp_path / "ckpt")
+        straight = tr.fit(steps=2, view="none").tail(2)
+    finally:
+        tr.close()
+    with pytest.raises(TrainerError, match=r"tools \['calculator'\].*pass them again"):
+        rlkit.Trainer.load(ckpt, dataset=TASK)
+    again = rlkit.Trainer.load(ckpt, dataset=TASK, tools=[calculator], run_dir=str(tmp_path / "again"))
+    try:
+        assert again.agent.settings == MultiTurn(max_turns=3, max_tokens=240, tool_prompt=TINY_TOOL_PROMPT,
+                                                 tool_timeout_s=2.0)
+        resumed = again.fit(steps=2, view="none").tail(2)
+        for key in ("reward/mean", "actor/loss", "actor/grad_norm", "episode/tool_calls", "episode/turns"):
+            assert resumed[key].tolist() == pytest.approx(straight[key].tolist(), rel=1e-5, abs=1e-7), key
+    finally:
+        again.close()
