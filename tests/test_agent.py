@@ -362,15 +362,16 @@ def _same_episodes(gen: dict, want: dict, name: str) -> None:
     assert (gen["rollout_logprobs"] - want["rollout_logprobs"]).abs().max().item() < TOL, name
 
 
-def test_dp2_on_ray_and_the_generation_layout_match_the_one_rank_run(tool_model, tmp_path, ray_cluster):
-    """Per-episode, per-turn seeds: dp=2 on Ray and the 3D-HybridEngine's generation layout (tp=2) sample the
-    episodes a lone engine samples for their chunks, and an update on the same batch gives the one-rank
-    update's loss and gradient norm."""
+def test_dp2_on_ray_the_generation_layout_and_split_placement_match_the_one_rank_run(tool_model, tmp_path, ray_cluster):
+    """Per-episode, per-turn seeds: dp=2 on Ray, the 3D-HybridEngine's generation layout (tp=2) and split
+    placement (the tools run on the rollout worker) sample the episodes a lone engine samples for their
+    chunks, and an update on the same batch gives the one-rank update's loss and gradient norm."""
     import copy
 
     layouts = {"dp2": dict(plan=rlkit.ParallelPlan(dp=2), cluster=ray_cluster),
                "hybrid": dict(plan=rlkit.ParallelPlan(tp=2), cluster=ray_cluster,
-                              rollout=rlkit.Rollout(engine="hf", n=2, max_new_tokens=96, tp=2))}
+                              rollout=rlkit.Rollout(engine="hf", n=2, max_new_tokens=96, tp=2)),
+               "split": dict(placement="split", cluster=ray_cluster)}
     for name, kw in layouts.items():
         tr = _trainer(tool_model, tmp_path, name, kl_coef=0.0, entropy_coef=0.0, **kw)
         try:
@@ -384,7 +385,7 @@ def test_dp2_on_ray_and_the_generation_layout_match_the_one_rank_run(tool_model,
             tr.close()
         one = _trainer(tool_model, tmp_path, f"one-{name}", kl_coef=0.0, entropy_coef=0.0)
         try:
-            if name == "hybrid":  # one DP replica: the one-rank run samples the very same episodes
+            if name != "dp2":  # one DP replica: the one-rank run samples the very same episodes
                 _same_episodes(one.generate().gen, want, "one rank")
             ref = one.update(one.estimate(same))
         finally:

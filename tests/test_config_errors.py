@@ -213,6 +213,11 @@ def _trainer_arg_cases(tmp_path, model):
         "callbacks": [([print, 42], "callbacks holds 42, which is not callable")],
         "placement": [("remote", "placement='remote': choose 'colocated' (HybridEngine) or 'split'")],
         "rollout_workers": [(0, "rollout_workers=0 must be a positive integer")],
+        "tools": [("calculator", "tools='calculator' must be a list of functions"),
+                  ([42], "tool 42 is not a function; give plain typed functions with docstrings")],
+        "environment": [("env", "environment='env' must be a class or factory")],
+        "max_turns": [(0, "max_turns=0 must be")],
+        "multi_turn": [({"max_turns": 2}, "multi_turn={'max_turns': 2} must be an rlkit.MultiTurn(")],
     }
 
 
