@@ -154,8 +154,6 @@ def render_chats(rows: list[dict[str, Any]], tokenizer: Any, model_path: str) ->
 def agent_of(tools: Any, environment: Any, max_turns: int | None, multi_turn: Any, rollout: Rollout) -> Any:
     """The Trainer's multi-turn agent (``rlkit.agent.episodes.Agent``) from ``tools=``, ``environment=``,
     ``max_turns=`` and ``multi_turn=``, checked here in the driver; None when none is given (single-turn)."""
-    import dataclasses
-
     from rlkit.agent.episodes import Agent, MultiTurn
 
     if tools is None and environment is None and max_turns is None and multi_turn is None:
