@@ -236,6 +236,9 @@ class Trainer:
         c, t, w = self.config, {}, self._live_workers()
         t_step = time.perf_counter()
         rows = self._next_prompts() if prompts is None else [dict(p, _row=p.get("_row", i)) for i, p in enumerate(prompts)]
+        if prompts is not None and self.agent is not None:  # rows of your own: chats (or environment rows) rendered
+            rows = [r if isinstance(r["prompt"], str) and (self.agent.environment is None or "_env_row" in r)
+                    else dict(self._render([r])[0], _row=r["_row"]) for r in rows]
         with _timer(t, "sync"):
             sync = w.sync_weights()
         with _timer(t, "generate"):

@@ -413,3 +413,14 @@ def test_a_multi_turn_checkpoint_resumes_exactly_and_asks_for_its_tools(tool_mod
             assert resumed[key].tolist() == pytest.approx(straight[key].tolist(), rel=1e-5, abs=1e-7), key
     finally:
         again.close()
+
+
+def test_generate_takes_rows_of_your_own(tool_model, tmp_path):
+    tr = _trainer(tool_model, tmp_path, "own")
+    try:
+        rows = TASK.dataset(n=2, seed=9, split="test")
+        gen = tr.generate(prompts=list(rows)).gen
+        assert gen["columns"]["prompt"][0] == tr.agent.format(tr.tokenizer).render_prompt(rows[0]["prompt"])
+        assert gen["columns"]["answer"][0] == rows[0]["answer"] and len(gen["uid"]) == 2 * tr.rollout.n
+    finally:
+        tr.close()
