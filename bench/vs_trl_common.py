@@ -40,6 +40,19 @@ WORK: dict[str, Any] = dict(n=4, prompts_per_step=2, max_new_tokens=32, lr=1e-3,
                             max_grad_norm=1.0, seed=0, target_token="e")
 WARMUP_STEPS = 2  # steps left out of steps/s: the first steps carry one-off costs (vLLM warms up here)
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # bench_vs_trl --lora: the attention projections
+# bench_agentic_vs_trl.py's work: GRPO with the calculator tool on rlkit.tasks.Calculator's train questions,
+# prompts_per_step x n episodes of at most max_turns assistant turns (one tool round, then the answer) and
+# max_tokens response tokens in all (TRL's max_completion_length), each turn up to max_new_tokens
+AGENTIC: dict[str, Any] = dict(n=4, prompts_per_step=2, max_turns=2, max_new_tokens=96, max_tokens=96, lr=2e-5,
+                               temperature=1.0, kl=0.0, max_grad_norm=1.0, seed=0, digits=(3, 2), train_rows=512)
+
+
+def calculator_task():
+    """``rlkit.tasks.Calculator`` of ``AGENTIC``'s digits (imports rlkit: the repo root must be on sys.path;
+    rlkit.tasks needs no torch, so the TRL venv imports it from the checkout too)."""
+    from rlkit.tasks import Calculator
+
+    return Calculator(digits=tuple(AGENTIC["digits"]))
 
 
 def lora_config(r: int):
