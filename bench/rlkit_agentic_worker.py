@@ -65,7 +65,7 @@ def main() -> None:
         tr.close()
     rss.stop()
     res = CLOCK.summary()
-    eps = [c for c in m.columns if c.startswith("episode/") or c == "reward/mean"]
+    eps = [c for c in m.columns if c.startswith("episode/") or c in ("reward/mean", "response_length/mean")]
     res.update(side="rlkit", version=getattr(rlkit, "__version__", "?"), threads=torch.get_num_threads(),
                peak_rss_mb=rss.peak_mb, episodes=m[eps].mean().to_dict(),
                phases_median_s={c[len("timing/"):]: float(m[c].iloc[WARMUP_STEPS:].median())

@@ -64,7 +64,7 @@ def main() -> None:
 
         def on_log(self, _args, _state, _control, logs=None, **k):
             if logs:
-                stats.append({k: v for k, v in logs.items() if "tool" in k or k in ("reward", "loss")})
+                stats.append({k: v for k, v in logs.items() if "tool" in k or k in ("reward", "loss", "completions/mean_length")})
 
     cfg = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-agentic-"), use_cpu=True, bf16=False, fp16=False,
