@@ -11,25 +11,27 @@ as TRL does. Prints ``RESULT {json}`` (steps/s after the warm-up steps, rlkit's 
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from vs_trl_common import AGENTIC, WARMUP_STEPS, PeakRSS, StepClock, calculator_task, emit  # noqa: E402
+from vs_trl_common import (  # noqa: E402
+    AGENTIC,
+    WARMUP_STEPS,
+    PeakRSS,
+    StepClock,
+    agentic_worker_args,
+    calculator_task,
+    emit,
+)
 
 CLOCK = StepClock()  # before the heavy imports: they are part of start-up
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("model")
-    ap.add_argument("steps", type=int)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--save", default=None, help="save the trained model here (for the held-out evaluation)")
-    args = ap.parse_args()
+    args = agentic_worker_args()
     rss = PeakRSS().start()
     import torch
 

@@ -12,25 +12,19 @@ steps, TRL's own tool-call counts); ``--save DIR``: the trained model, for the c
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # vs_trl_common, and the checkout's rlkit.tasks (pure Python)
-from vs_trl_common import AGENTIC, PeakRSS, StepClock, calculator_task, emit  # noqa: E402
+from vs_trl_common import AGENTIC, PeakRSS, StepClock, agentic_worker_args, calculator_task, emit  # noqa: E402
 
 CLOCK = StepClock()  # before the heavy imports: they are part of start-up
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("model")
-    ap.add_argument("steps", type=int)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--save", default=None, help="save the trained model here (for the held-out evaluation)")
-    args = ap.parse_args()
+    args = agentic_worker_args()
     rss = PeakRSS().start()
     import tempfile
 

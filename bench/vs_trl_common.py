@@ -16,6 +16,7 @@ A step here is one RL step: ``WORK["prompts_per_step"]`` prompts x ``WORK["n"]``
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -53,6 +54,16 @@ def calculator_task():
     from rlkit.tasks import Calculator
 
     return Calculator(digits=tuple(AGENTIC["digits"]))
+
+
+def agentic_worker_args() -> argparse.Namespace:
+    """The command line both agentic workers take: ``MODEL_DIR STEPS [--threads N] [--save DIR]``."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("steps", type=int)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--save", default=None, help="save the trained model here (for the held-out evaluation)")
+    return ap.parse_args()
 
 
 def lora_config(r: int):

@@ -138,13 +138,14 @@ def render_chats(rows: list[dict[str, Any]], tokenizer: Any, model_path: str) ->
         raise TrainerError(f"the dataset's prompts are chats (lists of messages) but the tokenizer of model "
                            f"{model_path!r} has no chat template; give text prompts, set tokenizer.chat_template "
                            f"and save it with the model, or use an instruction-tuned checkpoint")
-    bos = getattr(tokenizer, "bos_token", None)
-    adds_bos = bos is not None and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
+    from rlkit.rollout.base import template_bos
+
+    bos = template_bos(tokenizer)
     out = []
     for row in rows:
         if is_chat(row.get("prompt")):
             text = tokenizer.apply_chat_template(list(row["prompt"]), tokenize=False, add_generation_prompt=True)
-            if adds_bos and text.startswith(bos):
+            if bos and text.startswith(bos):
                 text = text[len(bos):]
             row = {**row, "prompt": text}
         out.append(row)

@@ -358,8 +358,7 @@ class Trainer:
     def _score(self, gen: dict[str, Any]) -> torch.Tensor:
         """Each sample's reward: the reward functions' weighted sum (a multi-turn completion is its
         conversation, TRL's conversational format), plus what an environment returned over the episode."""
-        scores = self.rewards.score(gen["columns"], gen["completion"]) if self.rewards.fns else \
-            torch.zeros(len(gen["uid"]))
+        scores = self.rewards.score(gen["columns"], gen["completion"])  # no functions (an environment's): zeros
         if "episode" in gen:
             scores = scores + torch.tensor([e.get("env_reward") or 0.0 for e in gen["episode"]], dtype=scores.dtype)
         return scores

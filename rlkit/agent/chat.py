@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlkit.agent.tools import Tool
+from rlkit.rollout.base import template_bos
 
 TOOL_PROMPT = """You can use tools. To call one, reply with a tool call and nothing after it:
 <tool_call>
@@ -64,6 +65,7 @@ class ChatFormat:
         self.end_of_turn: int | None = ids[0] if ids and ids[0] in special and self.tail.startswith(first) else None
         self._eot_text = first if self.end_of_turn is not None else ""
         self._base_text = base
+        self._bos = template_bos(tokenizer)
 
     # ---- prompts ---------------------------------------------------------------------------------
     def with_tools(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -85,11 +87,7 @@ class ChatFormat:
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
         text = self._render(self.with_tools(messages), generation=True)
-        tok = self.tokenizer
-        bos = getattr(tok, "bos_token", None)
-        if bos and text.startswith(bos) and tok("x")["input_ids"][:1] == [tok.bos_token_id]:
-            text = text[len(bos):]
-        return text
+        return text[len(self._bos):] if self._bos and text.startswith(self._bos) else text
 
     # ---- between turns ---------------------------------------------------------------------------
     def glue_text(self, messages: Sequence[dict[str, Any]], ended_turn: bool) -> str:

@@ -70,7 +70,7 @@ def check_environment(environment: Any) -> None:
             raise TrainerError(f"environment factory {getattr(environment, '__name__', environment)!r} raised "
                                f"{type(e).__name__}: {e} when called with no arguments; it must make an environment "
                                f"per episode") from None
-    missing = [m for m, n in (("reset", 1), ("step", 1)) if not callable(getattr(target, m, None))]
+    missing = [m for m in ("reset", "step") if not callable(getattr(target, m, None))]
     if missing:
         raise TrainerError(f"environment {target.__name__} has no {' and no '.join(f'{m}()' for m in missing)}: an "
                            f"environment defines reset(self, row) -> opening messages and step(self, message) -> "
@@ -80,7 +80,7 @@ def check_environment(environment: Any) -> None:
             params = [p for p in inspect.signature(getattr(target, m)).parameters.values() if p.name != "self"]
         except (TypeError, ValueError):
             continue
-        if not params and not any(p.kind == p.VAR_POSITIONAL for p in params):
+        if not params:
             arg = "row" if m == "reset" else "message"
             raise TrainerError(f"{target.__name__}.{m} takes no argument; define {m}(self, {arg})")
 

@@ -54,8 +54,6 @@ from rlkit.rollout.base import (
     tokenize_prompts,
 )
 
-FINISH = ("stop", "done", "length", "max_tokens", "max_turns", "env_error")
-
 
 @dataclass(frozen=True)
 class MultiTurn:
@@ -207,9 +205,9 @@ def run_episodes(engine: Any, agent: Agent, prompts: list[str] | list[list[int]]
         out_ids, out_lp, out_why = engine._generate_ids([e.prompt + e.response for e in active], turn_cfg,
                                                         [turn_seed(e.seed, e.sample, turn) for e in active])
         t_gen += time.perf_counter() - tg
-        replies: dict[int, list[dict[str, Any]]] = {}
+        replies: list[tuple[_Episode, list[dict[str, Any]]]] = []  # the messages each episode gets back
         calling: list[tuple[_Episode, list]] = []
-        for k, (e, r, lp, finish) in enumerate(zip(active, out_ids, out_lp, out_why)):
+        for e, r, lp, finish in zip(active, out_ids, out_lp, out_why):
             left = R - len(e.response)
             cut = len(r) > left or (finish == "length" and len(r) >= left)
             r, lp = r[:left], lp[:left]
@@ -231,13 +229,13 @@ def run_episodes(engine: Any, agent: Agent, prompts: list[str] | list[list[int]]
             elif calls:
                 calling.append((e, calls))
             elif e.env is not None:
-                replies[k] = _step(e, message)
+                replies.append((e, _step(e, message)))
             else:
                 e.reason = "stop"
         tt = time.perf_counter()
         flat = [c for _, calls in calling for c in calls]
         results = iter(run_tool_calls(flat, agent.tools, timeout_s=limits.tool_timeout_s,
-                                      max_chars=limits.max_tool_output_chars)) if flat else iter(())
+                                      max_chars=limits.max_tool_output_chars))
         t_tools += time.perf_counter() - tt
         for e, calls in calling:
             msgs = []
@@ -246,9 +244,8 @@ def run_episodes(engine: Any, agent: Agent, prompts: list[str] | list[list[int]]
                 if res.error is not None:
                     e.error(res.error)
                 msgs.append({"role": "tool", "name": res.name, "content": res.content})
-            replies[active.index(e)] = msgs
-        for k, msgs in replies.items():
-            e = active[k]
+            replies.append((e, msgs))
+        for e, msgs in replies:
             if e.reason is not None:  # the environment ended it
                 continue
             if turn == limits.max_turns - 1:
@@ -335,4 +332,4 @@ def _step(e: _Episode, message: dict[str, Any]) -> list[dict[str, Any]]:
     return list(out.messages)
 
 
-__all__ = ["FINISH", "Agent", "MultiTurn", "conversation_text", "episode_metrics", "run_episodes", "turn_seed"]
+__all__ = ["Agent", "MultiTurn", "conversation_text", "episode_metrics", "run_episodes", "turn_seed"]

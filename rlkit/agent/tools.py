@@ -35,6 +35,7 @@ import inspect
 import json
 import re
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -182,8 +183,6 @@ def run_tool_calls(calls: Sequence[ToolCall], tools: Sequence[Tool], *, timeout_
             thread.start()
             running.append((i, call.name, thread, box))
     if running:
-        import time
-
         deadline = time.monotonic() + timeout_s
         for i, name, thread, box in running:
             thread.join(max(0.0, deadline - time.monotonic()))

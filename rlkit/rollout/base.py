@@ -50,6 +50,18 @@ def load_tokenizer(path: str | os.PathLike) -> Any:
     return _TOKENIZERS[key]
 
 
+def template_bos(tokenizer: Any) -> str | None:
+    """The BOS text to drop from the front of a rendered chat template: the tokenizer's BOS when the tokenizer
+    adds it itself (else the prompt would hold two), None when it does not.
+
+    >>> from rlkit.models import tiny_lm
+    >>> template_bos(load_tokenizer(tiny_lm("qwen2", size="test"))) is None
+    True
+    """
+    bos = getattr(tokenizer, "bos_token", None)
+    return bos if bos is not None and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id] else None
+
+
 @dataclass
 class RolloutBatch:
     """Sampled responses, one row per sample; samples of one prompt are adjacent (``n`` rows each).

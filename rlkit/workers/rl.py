@@ -87,11 +87,11 @@ class SyncReport(TypedDict, total=False):
 class RLWorker:
     """Per-rank RL roles. Created by a worker group inside each rank (the process group exists).
 
-    ``prompt_len``: the layout's P (longest prompt of the run). All the models of a rank (actor, reference,
+    ``layout``: the run's ``SequenceLayout`` (its P is the longest prompt, its R the response width). All the models of a rank (actor, reference,
     critic) and the generation layout share one set of process groups, built once here.
     """
 
-    def __init__(self, model_path: str, plan: ParallelPlan, *, rollout: Rollout, prompt_len: int,
+    def __init__(self, model_path: str, plan: ParallelPlan, *, rollout: Rollout, layout: SequenceLayout,
                  actor_lr: float, critic_lr: float = 1e-4, max_grad_norm: float | None = 1.0,
                  need_ref: bool = False, need_critic: bool = False, seed: int = 0, colocate_rollout: bool = True,
                  precision: str = "fp32", padding_free: bool = False, micro_batch_tokens: int | None = None,
@@ -101,7 +101,7 @@ class RLWorker:
         torch.manual_seed(seed)
         self.plan, self.rank = plan, dist.get_rank()
         self.agent = agent  # multi-turn episodes with tools (rlkit.agent), run where the engine generates
-        self.layout = SequenceLayout(prompt_len, agent.response_len if agent is not None else rollout.max_new_tokens)
+        self.layout = layout
         config = AutoConfig.from_pretrained(str(model_path))
         groups = build_groups(plan, tied_ends=bool(getattr(config, "tie_word_embeddings", False)) and plan.pp > 1)
         common = dict(max_grad_norm=max_grad_norm, seed=seed, eps=1e-6, precision=precision, groups=groups)
@@ -292,12 +292,11 @@ class RLWorker:
 class RolloutWorker:
     """A rollout engine on its own worker (split placement): no process group, no training state."""
 
-    def __init__(self, model_path: str, *, rollout: Rollout, prompt_len: int, seed: int = 0, lora: Any = None,
+    def __init__(self, model_path: str, *, rollout: Rollout, layout: SequenceLayout, seed: int = 0, lora: Any = None,
                  agent: Any = None):
         torch.manual_seed(seed)
         self.lora_scaling = scaling(lora) if lora is not None else None  # adapters arrive alone (load_weights)
-        self.agent = agent
-        self.layout = SequenceLayout(prompt_len, agent.response_len if agent is not None else rollout.max_new_tokens)
+        self.agent, self.layout = agent, layout
         self.dp_rank = int(os.environ.get("RANK", "0"))
         self.engine = make_engine(rollout, model_path)
 

@@ -37,11 +37,11 @@ class RLWorkers:
     docstring. Every call waits at most ``timeout_s`` seconds."""
 
     def __init__(self, group: BaseWorkerGroup, rollout_group: BaseWorkerGroup | None, placement: Placement,
-                 layout: SequenceLayout, timeout_s: float, balance: bool = False):
+                 layout: SequenceLayout, timeout_s: float, balance: bool = False, env_rows: bool = False):
         self.group, self.rollout_group, self.placement = group, rollout_group, placement
         self.layout, self.timeout_s = layout, timeout_s
         self.balance = balance
-        self.env_rows = False  # multi-turn with an environment: requests carry each prompt's dataset row
+        self.env_rows = env_rows  # multi-turn with an environment: requests carry each prompt's dataset row
         self._channel_open = False  # split placement's weight channel (opened at the first sync)
         self._receiving: Any = None  # the rollout workers' last receive_weights in flight
 
@@ -61,6 +61,7 @@ class RLWorkers:
         held = [] if held is None else held
         plan, rollout = placement.plan, worker_kwargs["rollout"]
         agent = worker_kwargs.get("agent")
+        env_rows = agent is not None and agent.environment is not None
         if agent is not None:  # tools and environments defined next to the driver travel by value
             from rlkit.workers.group import ship_by_value
 
@@ -68,16 +69,14 @@ class RLWorkers:
                 if obj is not None:
                     ship_by_value(obj)
         args = (model_path, plan)
-        kwargs = dict(worker_kwargs, prompt_len=layout.prompt_len, seed=seed,
+        kwargs = dict(worker_kwargs, layout=layout, seed=seed,
                       colocate_rollout=placement.kind == "colocated")
         if cluster is None and placement.world_size == 1:
             from rlkit.workers.local import LocalWorkerGroup
 
             group = LocalWorkerGroup(plan, RLWorker, *args, **kwargs, name="rl", owner=owner)
             held.append(group)
-            workers = cls(group, None, placement, layout, timeout_s)  # one rank: nothing to balance
-            workers.env_rows = agent is not None and agent.environment is not None
-            return workers, None
+            return cls(group, None, placement, layout, timeout_s, env_rows=env_rows), None  # one rank: nothing to balance
         from rlkit.cluster import Cluster
         from rlkit.workers.group import WorkerGroup
 
@@ -100,7 +99,7 @@ class RLWorkers:
             rollout_group = None
             if "rollout" in pools:
                 rollout_group = WorkerGroup(cluster, placement.rollout_workers, RolloutWorker, model_path,
-                                            rollout=rollout, prompt_len=layout.prompt_len, seed=seed,
+                                            rollout=rollout, layout=layout, seed=seed,
                                             lora=worker_kwargs.get("lora"), agent=worker_kwargs.get("agent"),
                                             init_process_group=False, pool=pools["rollout"], owns_pool=True,
                                             timeout_s=timeout_s, name="rollout", owner=owner)
@@ -112,9 +111,8 @@ class RLWorkers:
                 pool.remove()
             held.clear()
             raise
-        workers = cls(group, rollout_group, placement, layout, timeout_s, balance=bool(worker_kwargs.get("padding_free")))
-        workers.env_rows = agent is not None and agent.environment is not None
-        return workers, cluster
+        return cls(group, rollout_group, placement, layout, timeout_s, balance=bool(worker_kwargs.get("padding_free")),
+                   env_rows=env_rows), cluster
 
     # ---- the dataflow's calls --------------------------------------------------------------------
     def sync_weights(self) -> list[SyncReport]:
