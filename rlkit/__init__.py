@@ -42,6 +42,8 @@ _LAZY = {
     "Trainer": "rlkit.trainer",
     "TrainerConfig": "rlkit.trainer",
     "ParallelModel": "rlkit.parallel",
+    "Backend": "rlkit.backends",
+    "backends": "rlkit.backends",
     "rollout": "rlkit.rollout",
     "workers": "rlkit.workers",
     "agent": "rlkit.agent",

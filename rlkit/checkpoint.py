@@ -252,6 +252,13 @@ def check_checkpoint(path: str | os.PathLike, state: dict[str, Any], model_path:
     path = Path(path).absolute()
     check_model(path, state, model_path)
     lora = (state.get("config") or {}).get("lora")
+    backend = (state.get("config") or {}).get("backend") or "torch"
+    if (backend.get("name") if isinstance(backend, dict) else backend) != "torch":
+        # Megatron-Core's and DeepSpeed's files are their own format: each backend's load names a missing one
+        for role, _head in roles:
+            if not (path / role).is_dir():
+                raise CheckpointError(f"{path / role} is missing: the {role}'s weights and optimizer state. {_RECOPY}")
+        return
     for role, head in roles:
         shapes = model_shapes(model_path, head, lora if role == "actor" else None)
         check_shards(path / role, world_size, shapes, model_path)

@@ -56,7 +56,7 @@ TRAIN_KEYS = {"model": str, "task": str, "algorithm": str, "dp": int, "tp": int,
               "micro_batches": int, "steps": int, "n": int, "max_new_tokens": int, "temperature": float,
               "engine": str, "lr": float, "prompts_per_step": int, "kl_coef": float, "epochs": int,
               "minibatches": int, "seed": int, "run_dir": str, "address": str, "sft_steps": int,
-              "lora": int}
+              "lora": int, "backend": str, "dp_shard": str}
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
@@ -142,13 +142,14 @@ def _checked_train_config(cfg: dict) -> dict:
         model = rlkit.models.pretrained(model)
     else:
         model = resolve_checkpoint(model)
-    plan = rlkit.ParallelPlan(dp=cfg["dp"], tp=cfg["tp"], pp=cfg["pp"], micro_batches=cfg.get("micro_batches"))
+    plan = rlkit.ParallelPlan(dp=cfg["dp"], tp=cfg["tp"], pp=cfg["pp"], micro_batches=cfg.get("micro_batches"),
+                              **({"dp_shard": cfg["dp_shard"]} if cfg.get("dp_shard") else {}))
     if not model.startswith("tiny-"):
         plan.validate(model=model)
     rollout = rlkit.Rollout(engine=cfg["engine"], n=cfg["n"], max_new_tokens=cfg["max_new_tokens"],
                             temperature=cfg.get("temperature", 1.0))
     config = TrainerConfig(**{k: cfg[k] for k in ("lr", "prompts_per_step", "kl_coef", "epochs", "minibatches",
-                                                  "seed", "run_dir", "lora") if cfg.get(k) is not None})
+                                                  "seed", "run_dir", "lora", "backend") if cfg.get(k) is not None})
     cluster = rlkit.Cluster(cfg["address"]) if cfg.get("address") else None
     return {"model": model, "dataset": tasks[cfg["task"]], "algorithm": cfg["algorithm"], "plan": plan,
             "rollout": rollout, "config": config, "cluster": cluster}

@@ -52,6 +52,7 @@ class TrainerConfig:
     padding_free: bool = True            # pack sequences, pay for real tokens only (False: the padded layout)
     micro_batch_tokens: int | None = None  # padding-free: tokens per micro-batch (None: the plan's micro-batches)
     lora: Any = None                     # peft LoraConfig (TRL's peft_config) or an int rank: train adapters only
+    backend: Any = "torch"               # who trains: "torch" | "megatron" | "deepspeed" or rlkit.Backend(...) (rlkit.backends)
     off_policy_steps: int = 0            # 1: one-step-off async RL (split placement): step k+1's batch samples during step k
     offpolicy_correction: str | None = None  # "tis" | "mis": weight each token by pi_old / mu (engine) (rlkit.algos.offpolicy)
     offpolicy_cap: float = 2.0           # TIS truncates the weight here, MIS drops tokens above it
@@ -129,6 +130,19 @@ class TrainerConfig:
             self.lora = as_lora_config(self.lora)  # a LoraConfig, or None; checked against the model by the Trainer
         except ValueError as e:
             raise TrainerError(str(e)) from None
+        from rlkit.backends import Backend
+        from rlkit.errors import PlanError
+
+        try:  # a name, a Backend, or the dict a saved trainer.json holds
+            self.backend = (Backend(**self.backend) if isinstance(self.backend, dict) else
+                            Backend(self.backend) if isinstance(self.backend, str) else self.backend)
+        except PlanError as e:
+            raise TrainerError(str(e)) from None
+        except TypeError:
+            self.backend = None  # a dict of other keys: reported below
+        if not isinstance(self.backend, Backend):
+            raise TrainerError(f"backend={self.backend!r} must be 'torch', 'megatron', 'deepspeed' or an "
+                               f"rlkit.Backend(name, zero_stage=...)")
         if self.micro_batch_tokens is not None and not self.padding_free:
             raise TrainerError(f"micro_batch_tokens={self.micro_batch_tokens} sizes padding-free micro-batches; "
                                f"set padding_free=True, or micro_batch_tokens=None for the padded layout")

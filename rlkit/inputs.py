@@ -234,9 +234,16 @@ def check_sizes(config: TrainerConfig, plan: ParallelPlan, rollout: Rollout, alg
 
 def padding_free(config: TrainerConfig, plan: ParallelPlan) -> bool:
     """Whether the run trains padding-free: the config's choice, except on plans with both dp > 1 and pp > 1,
-    which train padded (``rlkit.parallel.model.PACKED_DP_PP``); a token budget asked for there is an error."""
+    which train padded (``rlkit.parallel.model.PACKED_DP_PP``), and backends other than torch (packing is the torch
+    backend's); a token budget asked for there is an error."""
     from rlkit.parallel.model import PACKED_DP_PP
 
+    if config.backend.name != "torch":
+        if config.micro_batch_tokens is not None:
+            raise TrainerError(f"micro_batch_tokens={config.micro_batch_tokens} sizes padding-free micro-batches, which "
+                               f"backend={config.backend.name!r} does not run (it trains the padded layout); use "
+                               f"micro_batch_tokens=None, or backend='torch'")
+        return False
     if plan.dp > 1 and plan.pp > 1:
         if config.micro_batch_tokens is not None:
             raise TrainerError(f"micro_batch_tokens={config.micro_batch_tokens} with plan {plan.describe()}: "
@@ -283,6 +290,19 @@ def check_token_budget(config: TrainerConfig, layout: Any) -> None:
         raise TrainerError(f"micro_batch_tokens={budget} is smaller than the longest sequence this run can make: "
                            f"{layout.width} tokens (the longest prompt, {layout.prompt_len}, + Rollout.max_new_tokens="
                            f"{layout.response_len}); use micro_batch_tokens >= {layout.width}")
+
+
+def check_backend(config: TrainerConfig, plan: ParallelPlan, model_path: str, rollout: Rollout) -> Any:
+    """``config.backend`` against the plan, the model and the run's features (``rlkit.backends.check_backend``),
+    in the driver: not installed (the pip extra named), a layout or model family it cannot run. The resolved
+    ``rlkit.Backend`` (DeepSpeed's ZeRO stage filled in from the plan)."""
+    from transformers import AutoConfig
+
+    from rlkit.backends import check_backend as check
+
+    hf_config = AutoConfig.from_pretrained(model_path) if config.backend.name != "torch" else None
+    return check(config.backend, plan, hf_config, lora=config.lora, padding_free=padding_free(config, plan),
+                 rollout_tp=rollout.tp)
 
 
 def check_generation_layout(rollout: Rollout, placement: Any, model_path: str) -> None:

@@ -125,6 +125,7 @@ class Trainer:
         inputs.padding_free(self.config, self.plan)  # a token budget on a dp x pp plan fails here, before workers
         self.plan.validate(model=self.model_path)
         inputs.check_lora(self.config, self.model_path, self.plan)
+        self.backend = inputs.check_backend(self.config, self.plan, self.model_path, self.rollout)
         inputs.check_off_policy(self.config, self.placement)
         inputs.check_generation_layout(self.rollout, self.placement, self.model_path)
         self.uses_reference = self.config.kl_coef > 0 or self.algo.needs_reference
@@ -152,7 +153,7 @@ class Trainer:
         worker_kwargs = dict(rollout=self.rollout, actor_lr=c.lr, critic_lr=c.critic_lr, max_grad_norm=c.max_grad_norm,
                              need_ref=self.uses_reference, need_critic=self.algo.needs_critic, precision=c.precision,
                              padding_free=inputs.padding_free(c, self.plan), micro_batch_tokens=c.micro_batch_tokens,
-                             lora=c.lora, agent=self.agent)
+                             lora=c.lora, agent=self.agent, backend=self.backend)
         self.workers, self.cluster = RLWorkers.start(
             self.placement, self.cluster, model_path=self.model_path, layout=self.layout,
             worker_kwargs=worker_kwargs, seed=c.seed, timeout_s=c.timeout_s, owner=self,

@@ -9,6 +9,7 @@ own flag lists), so a field added later without a check fails here until it gets
 import dataclasses
 import inspect
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,9 @@ TRAINER_CONFIG_BAD = {
                            ("4k", "micro_batch_tokens='4k' must be a positive integer or None; tokens per micro-batch")],
     "lora": [(0, "LoRA r=0 must be a positive int"), ("big", "lora='big' must be a peft LoraConfig"),
              (True, "lora=True must be a peft LoraConfig")],
+    "backend": [("tensorflow", "backend='tensorflow' is not a training backend; choose one of ('torch', 'megatron', "
+                 "'deepspeed')"), (3, "backend=3 must be 'torch', 'megatron', 'deepspeed' or an rlkit.Backend"),
+                ({"name": "deepspeed", "zero_stage": 4}, "zero_stage=4 must be one of 0, 1, 2, 3")],
     "off_policy_steps": [(-1, "off_policy_steps=-1 must be an integer >= 0"), (1.5, "off_policy_steps=1.5")],
     "offpolicy_correction": [("tsi", "offpolicy_correction='tsi': choose one of ['tis', 'mis'] (did you mean 'tis'?)")],
     "offpolicy_cap": [(0.0, "offpolicy_cap=0.0 must be a finite number > 0"), (-1, "offpolicy_cap=-1")],
@@ -296,6 +300,8 @@ TRAIN_FLAG_BAD = {
     "address": [("nonsense", "address='nonsense' is not 'host:port', 'ray://host:port' or 'auto'")],
     "sft_steps": [("-1", "sft_steps=-1 must be an integer >= 0")],
     "lora": [("0", "LoRA r=0 must be a positive int")],
+    "backend": [("jax", "backend='jax' is not a training backend; choose one of ('torch', 'megatron', 'deepspeed')")],
+    "dp_shard": [("zero9", "dp_shard='zero9' is not a sharding mode")],
 }
 
 
@@ -387,6 +393,57 @@ def test_lora_from_a_peft_adapter_folder_is_refused(tmp_path, model, no_workers_
     with pytest.raises(TrainerError, match="is a peft adapter folder; LoRA training starts from a full model. "
                                            "Merge it first"):
         Trainer(model=str(folder), dataset=rlkit.tasks.repeat, lora=8)
+
+
+# ---- training backends (rlkit.backends): in the driver, naming the fix -----------------------------------------
+def _backend_cases():
+    P = rlkit.ParallelPlan
+    return [
+        (dict(backend="deepspeed", plan=P(tp=2, dp_shard="replicate")), "backend='deepspeed' cannot run tp=2: DeepSpeed "
+         "trains an HF model with ZeRO over DP and its PipelineModule over PP, but has no tensor parallelism for it"),
+        (dict(backend=rlkit.Backend("deepspeed", zero_stage=3), plan=P(pp=2)), "DeepSpeed's pipeline engine runs ZeRO "
+         "stage 0 or 1 only; got zero_stage=3 with pp=2"),
+        (dict(backend="megatron", plan=P(dp=2)), "dp_shard='full_shard' cannot run; use ParallelPlan(..., "
+         "dp_shard='replicate')"),
+        (dict(backend="megatron", lora=8), "LoRA runs on backend='torch' only"),
+        (dict(backend="deepspeed", rollout=rlkit.Rollout(tp=1, n=2, max_new_tokens=4)), "Rollout(tp=1) (the "
+         "3D-HybridEngine's generation layout) reshards the torch backend's DTensors"),
+        (dict(backend="deepspeed", micro_batch_tokens=64), "micro_batch_tokens=64 sizes padding-free micro-batches, "
+         "which backend='deepspeed' does not run"),
+        (dict(backend="megatron", plan=P(tp=2, order="dp-tp-pp")), "lays ranks out in Megatron's order; use "
+         "order='tp-dp-pp'"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+def test_backend_errors_fail_before_any_worker(case, model, no_workers_start):
+    kw, expect = _backend_cases()[case]
+    with pytest.raises(rlkit.RlkitError) as e:
+        Trainer(model=model, dataset=rlkit.tasks.repeat, **kw)
+    assert expect in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("name, module", [("megatron", "megatron"), ("deepspeed", "deepspeed")])
+def test_a_backend_not_installed_names_its_pip_extra(name, module, model, no_workers_start, monkeypatch):
+    # None in sys.modules is Python's own "this module cannot be imported": the state of a venv without it
+    monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(rlkit.PlanError, match=rf"backend='{name}' needs .*, which is not installed; install the "
+                                              rf"extra: pip install 'rlkit\[{name}\]'"):
+        Trainer(model=model, dataset=rlkit.tasks.repeat, backend=name)
+
+
+def test_megatron_refuses_a_model_family_its_weight_mapping_does_not_cover(tmp_path, model, no_workers_start):
+    import shutil
+
+    from transformers import MistralConfig, MistralForCausalLM
+
+    folder = tmp_path / "tiny-mistral"
+    MistralForCausalLM(MistralConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2)).save_pretrained(folder)
+    for f in Path(model).glob("tokenizer*"):
+        shutil.copy(f, folder)
+    with pytest.raises(rlkit.PlanError, match="mistral"):
+        Trainer(model=str(folder), dataset=rlkit.tasks.repeat, backend="megatron")
 
 
 def test_async_rl_needs_split_placement(model, no_workers_start):

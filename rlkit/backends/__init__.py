@@ -29,13 +29,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlkit.errors import PlanError
+from rlkit.plan.backend_memory import ZERO_OF_SHARDING
 from rlkit.plan.topology import ParallelPlan
 
 NAMES = ("torch", "megatron", "deepspeed")
 # backend -> (the module it needs, the pip extra that installs it)
 REQUIRES = {"megatron": ("megatron.core", "megatron"), "deepspeed": ("deepspeed", "deepspeed")}
-# DeepSpeed's ZeRO stage for each of the plan's DP sharding modes (ZeRO-1 has no FSDP twin: ask for it by name)
-ZERO_OF_SHARDING = {"replicate": 0, "shard_grad_op": 2, "full_shard": 3}
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Plan layer: pure math about a DP x TP x PP layout (no processes, no torch import)."""
 
+from rlkit.plan.backend_memory import backend_memory
 from rlkit.plan.comm import BANDWIDTHS, estimate_communication, estimate_resharding
 from rlkit.plan.hybrid import GenerationLayout
 from rlkit.plan.memory import RolloutMemory, compare_memory, estimate_memory, explain_fit
@@ -28,7 +29,7 @@ __all__ = ["ModelSpec", "ParallelPlan", "SCHEDULES", "SHARDING", "as_spec", "bun
            "pipeline_order", "pipeline_timeline", "bubble_fraction", "idle_fraction", "peak_in_flight",
            "GPUS", "NETWORKS", "estimate_throughput", "estimate_generation", "estimate_rl_step", "predict_rl_step",
            "search_plans", "recommend", "Recommendation",
-           "estimate_memory", "explain_fit", "compare_memory", "parse_bytes", "RolloutMemory",
+           "backend_memory", "estimate_memory", "explain_fit", "compare_memory", "parse_bytes", "RolloutMemory",
            "estimate_communication", "estimate_resharding", "GenerationLayout", "BANDWIDTHS"]
 
 # figures are drawn by the widgets layer, which this package may not import: say where they went

@@ -35,6 +35,8 @@ from rlkit.errors import PlanError
 from rlkit.plan.spec import as_spec
 from rlkit.plan.topology import ParallelPlan
 
+# DeepSpeed's ZeRO stage for each of the plan's DP sharding modes (ZeRO-1 has no FSDP twin: ask for it by name)
+ZERO_OF_SHARDING = {"replicate": 0, "shard_grad_op": 2, "full_shard": 3}
 # bytes per parameter of the stored weights and gradients under each training precision
 WEIGHT_BYTES = {"fp32": 4, "bf16-mixed": 2, "bf16": 2}
 
@@ -55,8 +57,6 @@ def backend_memory(plan: ParallelPlan, model: Any, backend: str = "torch", *, ze
     """
     import pandas as pd
 
-    from rlkit.backends import Backend, resolve
-
     if precision not in WEIGHT_BYTES:
         raise PlanError(f"precision={precision!r}: choose one of {tuple(WEIGHT_BYTES)}")
     if backend == "torch":
@@ -68,7 +68,9 @@ def backend_memory(plan: ParallelPlan, model: Any, backend: str = "torch", *, ze
     wb = WEIGHT_BYTES[precision]
     rows = []
     if backend == "deepspeed":
-        stage = resolve(Backend("deepspeed", zero_stage), plan).zero_stage
+        stage = ZERO_OF_SHARDING.get(plan.dp_shard) if zero_stage is None else zero_stage
+        if stage not in (0, 1, 2, 3):
+            raise PlanError(f"zero_stage={zero_stage!r} with dp_shard={plan.dp_shard!r}: name a ZeRO stage 0-3")
         if plan.tp > 1:
             raise PlanError(f"backend='deepspeed' has no tensor parallelism (tp={plan.tp}); plan it with tp=1")
         per_stage = spec.stage_params(plan)
@@ -117,4 +119,4 @@ def _megatron_rank_params(spec: Any, plan: ParallelPlan, pp_rank: int, vocab_mul
     return n
 
 
-__all__ = ["backend_memory", "padded_vocab"]
+__all__ = ["ZERO_OF_SHARDING", "backend_memory", "padded_vocab"]

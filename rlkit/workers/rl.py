@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from rlkit.algos import call_policy_loss, entropy_bonus, kl_loss, masked_mean, policy_loss, value_loss
 from rlkit.algos.offpolicy import importance_weights
+from rlkit.backends import Backend, make_model
 from rlkit.parallel import ParallelModel
 from rlkit.parallel.groups import build_generation_groups, build_groups
 from rlkit.parallel.lora import scaling
@@ -95,20 +96,24 @@ class RLWorker:
                  actor_lr: float, critic_lr: float = 1e-4, max_grad_norm: float | None = 1.0,
                  need_ref: bool = False, need_critic: bool = False, seed: int = 0, colocate_rollout: bool = True,
                  precision: str = "fp32", padding_free: bool = False, micro_batch_tokens: int | None = None,
-                 lora: Any = None, agent: Any = None):
+                 lora: Any = None, agent: Any = None, backend: Backend | None = None):
         from transformers import AutoConfig
 
         torch.manual_seed(seed)
         self.plan, self.rank = plan, dist.get_rank()
         self.agent = agent  # multi-turn episodes with tools (rlkit.agent), run where the engine generates
         self.layout = layout
-        config = AutoConfig.from_pretrained(str(model_path))
-        groups = build_groups(plan, tied_ends=bool(getattr(config, "tie_word_embeddings", False)) and plan.pp > 1)
+        self.backend = backend = backend or Backend()
+        groups = None
+        if backend.name == "torch":  # the other backends build their own groups, in the same rank order
+            config = AutoConfig.from_pretrained(str(model_path))
+            groups = build_groups(plan, tied_ends=bool(getattr(config, "tie_word_embeddings", False)) and plan.pp > 1)
         common = dict(max_grad_norm=max_grad_norm, seed=seed, eps=1e-6, precision=precision, groups=groups)
-        self.actor = ParallelModel(model_path, plan, lr=actor_lr, lora=lora, **common)
+        self.actor = make_model(backend, model_path, plan, lr=actor_lr, lora=lora, **common)
         # LoRA: the reference is the actor with its adapters off (no second copy of the model, as TRL and verl)
-        self.ref = ParallelModel(model_path, plan, lr=0.0, **common) if need_ref and lora is None else None
-        self.critic = ParallelModel(model_path, plan, head="value", lr=critic_lr, **common) if need_critic else None
+        self.ref = make_model(backend, model_path, plan, lr=0.0, **common) if need_ref and lora is None else None
+        self.critic = make_model(backend, model_path, plan, head="value", lr=critic_lr, **common) \
+            if need_critic else None
         for model in (self.actor, self.ref):  # every loss and metric here reads the response's columns only
             if model is not None:
                 model.set_scoring(first_column=self.layout.first_scored)
@@ -118,7 +123,8 @@ class RLWorker:
         self.dp_rank = plan.coords(self.rank)["dp"]
         self.hybrid = None
         gen_tp = rollout.tp
-        if gen_tp is None and colocate_rollout and _can_share_actor_weights(rollout, model_path, plan, self.actor):
+        if gen_tp is None and colocate_rollout and backend.name == "torch" and \
+                _can_share_actor_weights(rollout, model_path, plan, self.actor):
             gen_tp = 1  # one rank: the engine generates with the actor's own tensors (no second model to sync)
         if gen_tp is not None and colocate_rollout:  # every rank generates, in the generation layout
             layout = GenerationLayout(plan, gen_tp)
