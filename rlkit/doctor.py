@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 
 REQUIRED = ("torch", "transformers", "ray", "accelerate", "pandas", "ipywidgets", "matplotlib", "tqdm")
-OPTIONAL = ("vllm",)
+OPTIONAL = ("vllm", "peft", "megatron.core", "deepspeed")  # the engine, LoRA, the training backends
 
 
 @dataclass
@@ -28,7 +28,7 @@ def _version(module: str) -> Check:
     try:
         mod = importlib.import_module(module)
     except Exception as e:  # a broken install raises more than ImportError
-        detail = "not installed" if isinstance(e, ModuleNotFoundError) and e.name == module else (
+        detail = "not installed" if isinstance(e, ModuleNotFoundError) and e.name in (module, module.split(".")[0]) else (
             f"import failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         return Check(module, False, detail, required)
     return Check(module, True, getattr(mod, "__version__", "unknown"), required)
