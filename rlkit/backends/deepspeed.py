@@ -238,9 +238,13 @@ class DeepSpeedModel:
                         if value_head is not None else [])] if (n := names.get(id(p)))}
 
         m = plan.n_micro_batches
+        # DeepSpeed 0.19.8's ZeRO-0 clipping under a pipeline counts only the first stage's gradients in the
+        # norm (its clip_grad_norm_ keeps "model-parallel rank 0", which the pipeline grid makes stage 0):
+        # there the norm is measured and the gradients clipped here (optimizer_step), with DeepSpeed's formula.
+        self._own_clip = zero_stage == 0 and plan.pp > 1
+        clip = 0.0 if max_grad_norm is None or self._own_clip else float(max_grad_norm)
         config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": m,
-                  "train_batch_size": m * plan.dp,
-                  "gradient_clipping": float(max_grad_norm) if max_grad_norm is not None else 0.0,
+                  "train_batch_size": m * plan.dp, "gradient_clipping": clip,
                   "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
                   "steps_per_print": 2**62, "wall_clock_breakdown": False}
         _merge(config, ds_config or {})
@@ -444,9 +448,14 @@ class DeepSpeedModel:
         return total.item()
 
     def optimizer_step(self) -> float:
-        """Clip (DeepSpeed's ``gradient_clipping``) and step AdamW; returns the pre-clip global grad norm
+        """Clip (DeepSpeed's ``gradient_clipping``; ZeRO-0 under PP: here, see the constructor) and step AdamW; returns the pre-clip global grad norm
         (DeepSpeed's ``get_global_grad_norm()``; ZeRO-0, whose clipping keeps no norm: measured here first)."""
         own = self.grad_norm() if self.zero_stage == 0 else None
+        if self._own_clip and self.max_grad_norm is not None and own > self.max_grad_norm:
+            coef = self.max_grad_norm / (own + 1e-6)
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
         if self.plan.pp == 1:
             self.engine.step()
         else:

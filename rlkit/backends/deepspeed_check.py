@@ -22,14 +22,16 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from rlkit.backends.deepspeed import DeepSpeedModel
+from rlkit.errors import PlanError
 from rlkit.parallel.check import _chunks, _max, make_batch, ppo_loss, reference_forward, value_loss
 from rlkit.parallel.model import load_hf
 from rlkit.plan.topology import ParallelPlan
 
 
-def parse_layout(text: str) -> tuple[ParallelPlan, int, str]:
-    """``"dp2-z3:qwen2"`` -> (plan, ZeRO stage, model key); ``"pp2-z0:llama-tied"``, ``"dp1-z0:qwen2"``."""
-    shape, model = text.split(":")
+def parse_layout(text: str) -> tuple[ParallelPlan, int, str, str]:
+    """``"dp2-z3:qwen2"`` -> (plan, ZeRO stage, model key, head); ``"pp2-z0:llama-tied"``, ``"dp1-z0:qwen2"``,
+    ``"dp2-z2:qwen2:value"`` (a critic). Two micro-batches per rank in every layout."""
+    shape, model, *rest = text.split(":")
     dims = dict(dp=1, pp=1)
     zero = 0
     for part in shape.split("-"):
@@ -39,7 +41,7 @@ def parse_layout(text: str) -> tuple[ParallelPlan, int, str]:
             dims[part[:2]] = int(part[2:])
     plan = ParallelPlan(dp=dims["dp"], pp=dims["pp"], dp_shard="replicate",
                         micro_batches=2)
-    return plan, zero, model
+    return plan, zero, model, rest[0] if rest else "lm"
 
 
 def check_layout(model: str, plan: ParallelPlan, zero: int, *, steps: int = 3, seq_len: int = 16,
@@ -63,7 +65,7 @@ def check_layout(model: str, plan: ParallelPlan, zero: int, *, steps: int = 3, s
             ref_vh.bias.zero_()
     ref_named = dict(ref.named_parameters())
     if ref_vh is not None:
-        del ref_named["lm_head.weight"]
+        ref_named.pop("lm_head.weight", None)  # a tied model names it once, as the embedding
         ref_named |= {f"value_head.{k}": v for k, v in ref_vh.named_parameters()}
     ref_params = list(ref_named.values())
     ref_opt = torch.optim.AdamW(ref_params, lr=lr, weight_decay=0.01, eps=1e-6, foreach=False)
@@ -97,6 +99,19 @@ def check_layout(model: str, plan: ParallelPlan, zero: int, *, steps: int = 3, s
     am = mine["attention_mask"].bool()
     valid = am if head == "value" else am & torch.cat([torch.zeros_like(am[:, :1]), am[:, :-1]], 1)
     diffs = {k: _max(((got[k] - ref_out[k]).abs() * valid).max()) for k in got}
+    if head == "lm":  # scoring the response's columns only: the others 0, the scored ones unchanged
+        k = seq_len // 2
+        dm.set_scoring(first_column=k, entropy_grad=False)
+        part = dm.logprobs(mine["input_ids"], mine["attention_mask"])
+        dm.set_scoring(first_column=1)
+        report["max_dscoring"] = _max(max((part[n][:, k:] - got[n][:, k:]).abs().max() for n in part))
+        report["max_unscored"] = _max(max(part[n][:, :k].abs().max() for n in part))
+    dm.set_packing(False)  # a no-op; padding-free is refused
+    try:
+        dm.set_packing(True)
+        report["padding_free_refused"] = False
+    except PlanError:
+        report["padding_free_refused"] = True
     # the reference policy: a separate instance with lr=0 on the same ranks
     frozen = DeepSpeedModel(model, plan, zero_stage=zero, lr=0.0, **opt)
     got_ref = frozen.logprobs(mine["input_ids"], mine["attention_mask"])
@@ -129,6 +144,8 @@ def check_layout(model: str, plan: ParallelPlan, zero: int, *, steps: int = 3, s
     report.update(loss=loss, ref_loss=ref_loss, losses=losses, max_dlogprob=diffs.get("logprobs", diffs.get("values")),
                   max_dentropy=diffs.get("entropy", 0.0), max_dgrad=gdiff, grads_compared=counts,
                   grad_norm=gnorm, ref_grad_norm=ref_gnorm, gather_bytes_rank0=dm.last_transfer["bytes"])
+    report["n_params"] = len(ref_named)
+    report["param_bytes"] = sum(v.numel() * v.element_size() for v in ref_named.values())
     if rank == 0:
         ref_sd = {k: v.detach() for k, v in ref_named.items()}
         report["max_dweight"] = max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd)
@@ -167,10 +184,9 @@ def check_layout(model: str, plan: ParallelPlan, zero: int, *, steps: int = 3, s
 def main(argv: list[str] | None = None) -> int:
     """Run every ``--layout`` in one process group; rank 0 writes ``--json``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layout", action="append", required=True, help="e.g. dp2-z3:qwen2 (model key in --models)")
+    ap.add_argument("--layout", action="append", required=True, help="e.g. dp2-z3:qwen2, pp2-z0:qwen2:value (model key in --models)")
     ap.add_argument("--models", required=True, help="JSON object: model key -> local HF checkpoint folder")
     ap.add_argument("--ckpt", default=None, help="checkpoint folder: save -> load -> continue on the first layout")
-    ap.add_argument("--head", default="lm", choices=("lm", "value"))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -181,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     models = json.loads(args.models)
     reports = []
     for i, text in enumerate(args.layout):
-        plan, zero, key = parse_layout(text)
-        rep = check_layout(models[key], plan, zero, steps=args.steps, head=args.head,
+        plan, zero, key, head = parse_layout(text)
+        rep = check_layout(models[key], plan, zero, steps=args.steps, head=head,
                            ckpt_dir=args.ckpt if i == 0 else None)
         rep["layout"] = text
         reports.append(rep)
