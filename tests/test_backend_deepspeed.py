@@ -98,3 +98,26 @@ def test_pipeline_pp2_matches_single_process(tmp_path, tiny_paths):
 def test_one_rank_matches_single_process(tmp_path, tiny_paths):
     reps = run_layouts(tmp_path, tiny_paths, 1, ["dp1-z0:qwen2", "dp1-z2:llama-tied"], ckpt=True)
     _memory_matches_zero(reps[0], dp=1)
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_grpo_learns_on_deepspeed(tmp_path):
+    """GRPO end to end through Trainer(backend=Backend("deepspeed", zero_stage=2)) on 2 Ray ranks (dp=2), as
+    tests/test_trainer.py::test_algorithms_and_layouts_learn does on the torch backend. Measured (2026-12-05):
+    reward 0.023 -> 0.109 over the first / last five of 40 steps; the first three steps' loss, grad norm and
+    entropy equal the torch backend's within 3e-7 relative (the same rewards)."""
+    import rlkit
+    from rlkit.trainer import Trainer
+
+    tr = Trainer(model=tiny_lm("qwen2", size="small"), dataset=rlkit.tasks.repeat, algorithm="grpo",
+                 plan=rlkit.ParallelPlan(dp=2), rollout=rlkit.Rollout(engine="hf", n=8, max_new_tokens=16),
+                 prompts_per_step=8, lr=2e-3, seed=0, run_dir=str(tmp_path / "run"),
+                 backend=rlkit.Backend("deepspeed", zero_stage=2))
+    try:
+        tr.fit(steps=40, view="none")
+        rewards = tr.metrics["reward/mean"].tolist()
+        first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+        assert last > first + 0.04, rewards
+    finally:
+        tr.close()

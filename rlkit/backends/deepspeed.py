@@ -194,7 +194,7 @@ class DeepSpeedModel:
     def __init__(self, model: Any, plan: ParallelPlan, *, zero_stage: int, head: str = "lm", lr: float = 1e-5,
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  max_grad_norm: float | None = 1.0, seed: int = 0, precision: str = "fp32", lora: Any = None,
-                 logprob_chunk: int = 1024, ds_config: dict | None = None, **unused: Any):
+                 logprob_chunk: int = 1024, ds_config: dict | None = None):
         choice("precision", precision, tuple(PRECISIONS), error=PlanError)
         choice("head", head, ("lm", "value"), error=PlanError)
         if lora is not None:
@@ -531,8 +531,8 @@ class DeepSpeedModel:
                     with deepspeed.zero.GatheredParameters([p]):
                         t = p.data.detach().clone() if receive else None
                     moved += p.ds_numel * p.element_size() - p.ds_tensor.numel() * p.ds_tensor.element_size()
-                else:
-                    t = p.data.detach() if receive else None
+                else:  # a copy: the parameter is a view into DeepSpeed's flat buffer, which the next step changes
+                    t = p.data.detach().clone() if receive else None
             else:
                 owner = self._owner[name]
                 if owner == self.pp_rank:
@@ -621,8 +621,11 @@ class DeepSpeedModel:
         * ``weights``: the module's parameters as this rank holds them: ZeRO 0-2 (and each pipeline stage) the
           full fp32 parameters of its layers; ZeRO-3 its partitions (``ds_tensor``, views of DeepSpeed's flat
           partition buffer) plus any parameter kept whole (under ``stage3_param_persistence_threshold``).
-        * ``grads``: what the last ``forward_backward`` left: the parameters' ``.grad`` and ZeRO's gradient
-          partitions and buckets (``averaged_gradients``, ZeRO-3's flat gradient buffer, ZeRO-1/2's IPG bucket).
+        * ``grads``: what the last ``forward_backward`` left, after DeepSpeed's reduction at the accumulation
+          boundary: the parameters' ``.grad`` and ZeRO's gradient partitions and buckets (``averaged_gradients``,
+          ZeRO-3's flat gradient buffer, ZeRO-1/2's IPG bucket). In 0.19.8 ZeRO-1 ends, like ZeRO-2, with its
+          1/dp partition (plus the bucket), though it holds full ``.grad`` tensors while the micro-batches
+          accumulate (the paper's ZeRO-1 keeps full gradients); ZeRO-0 and pipeline stages keep full ``.grad``.
         * ``optimizer``: AdamW's state (exp_avg, exp_avg_sq; ZeRO 1-3: of this rank's 1/dp partition) plus the
           fp32 master partition ZeRO 1-3 keeps beside the module's weights even in fp32 (stage 1/2:
           ``single_partition_of_fp32_groups``, stage 3: ``fp32_partitioned_groups_flat``): 3 x 4 bytes per
