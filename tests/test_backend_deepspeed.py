@@ -5,12 +5,13 @@ One launch per group of layouts runs ``python -m rlkit.backends.deepspeed_check`
 right-padded responses, log-probs / entropy (or values), the loss, every gradient (HF names; ZeRO via
 ``deepspeed.utils.safe_get_full_grad``), the pre-clip grad norm, the weights after 3 clipped AdamW steps at
 lr=1e-3 (set through ``optimizer.param_groups``, as the workers do), the full-weight gather strict-loaded into a
-fresh HF model, save -> load -> continue (bit-exact), and the measured memory.
+fresh HF model, save -> load -> continue (bit-exact) and a missing checkpoint's error, ``set_scoring``, the
+padding-free refusal, and the measured memory of the trained model and of the forward-only reference.
 
 Tolerances (fp32), the torch backend's: log-probs 2e-6, entropy 1e-5, loss 1e-6 relative, grad norm 1e-5
 relative, grads 1e-6, weights after 3 steps 1e-5, the gathered model's log-probs 1e-5. Measured here (deepspeed
 0.19.8, 2026-12-05): log-probs and entropy 0 (the same Stage computes them), loss equal, grads <= 6.0e-8,
-weights <= 1.5e-6 (ZeRO-1 qwen2), grad norm within 5e-8 relative, gathered model 4.8e-7; resume 0.0.
+weights <= 1.9e-6 (ZeRO-1 qwen2), grad norm within 5e-8 relative, gathered model 4.8e-7; resume 0.0.
 
 DeepSpeed JIT-builds its ``deepspeed_shm_comm`` op once (~45 s, into ``~/.cache/rlkit/torch_extensions``);
 AdamW is torch's (no fused CPU Adam is built).
@@ -58,6 +59,10 @@ def run_layouts(tmp_path, tiny_paths, nprocs: int, layouts: list[str], ckpt: boo
         # every HF parameter's gradient was compared on some rank
         assert sum(rep["grads_compared"]) >= rep["n_params"], (rep["grads_compared"], rep["n_params"])
         assert len(rep["memory"]) == nprocs
+        # the reference policy (lr=0) is forward-only: no optimizer state, no gradients, ZeRO-3's weights partitioned
+        for row, trained in zip(rep["refmodel_memory"], rep["memory"]):
+            assert row["optimizer"] == 0 and row["grads"] == 0, row
+            assert abs(row["weights"] - trained["weights"]) <= 0.01 * trained["weights"], (row, trained)  # ZeRO pads
         if ckpt and i == 0:
             assert rep["resume_step"] == 1
             assert rep["resume_max_dweight"] == 0.0, rep  # bit-exact resume

@@ -180,7 +180,8 @@ class DeepSpeedModel:
         zero_stage: DeepSpeed's ZeRO stage, 0-3 (0 or 1 when ``pp > 1``).
         head: "lm" (per-token log-probs) or "value" (critic: the seeded value head ``ParallelModel`` builds).
         lr, weight_decay, betas, eps: ``torch.optim.AdamW``'s; ``max_grad_norm``: DeepSpeed's
-            ``"gradient_clipping"`` (None: off).
+            ``"gradient_clipping"`` (None: off). ``lr=0.0`` builds a forward-only model (the reference
+            policy): a DeepSpeed engine without an optimizer (``optimizer`` is None; training raises).
         precision: "fp32", or "bf16-mixed" (forward and backward under bf16 autocast, weights, grads and
             AdamW state fp32, as ``ParallelModel``).
         lora: must be None (LoRA runs on the torch backend).
@@ -256,9 +257,16 @@ class DeepSpeedModel:
             module = self._pipeline(deepspeed, hf, value_head)
         del hf
         params = [p for p in module.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, foreach=False)
-        self.engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params, optimizer=opt,
-                                                    config=config)
+        # lr=0.0 (the reference policy) only runs forward: an engine without an optimizer, so no ZeRO master
+        # partition or AdamW state is allocated for it (ZeRO-3 still partitions its weights)
+        self.trains = lr != 0.0
+        if not self.trains and zero_stage in (1, 2):  # they partition optimizer state only: nothing to partition
+            config["zero_optimization"]["stage"] = 0
+        # fused: one kernel over the flat partitions ZeRO 1-3 hand it (and every tensor of ZeRO-0)
+        opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, fused=True) \
+            if self.trains else None
+        self.engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params if self.trains else None,
+                                                    optimizer=opt, config=config)
         # The workers set param_groups[i]["lr"] on this optimizer: it is the one DeepSpeed steps (its ZeRO
         # optimizers keep the wrapped optimizer's param-group dicts, swapping in their flat partitions).
         self.optimizer = opt
@@ -412,6 +420,9 @@ class DeepSpeedModel:
 
         DeepSpeed divides each backward by the accumulation steps ``m`` and averages gradients over the
         ``dp`` ranks: micro-batch ``j``'s loss goes in times ``w_j * dp / sum(w) * m``."""
+        if not self.trains:
+            raise PlanError("this DeepSpeedModel was built with lr=0.0: a forward-only model (the reference "
+                            "policy) has no optimizer to train with; build it with lr > 0")
         batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         batch.setdefault("attention_mask", torch.ones_like(batch["input_ids"]))
         parts = self._parts(batch)
@@ -662,6 +673,8 @@ class DeepSpeedModel:
 
     def _optimizer_bytes(self) -> int:
         zo = self.engine.optimizer
+        if self.optimizer is None:
+            return 0
         state = [t for s in self.optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
         state += list(_tensors(getattr(zo, "single_partition_of_fp32_groups", None)))
         state += list(_tensors(getattr(zo, "fp32_partitioned_groups_flat", None)))

@@ -116,6 +116,7 @@ def check_layout(model: str, plan: ParallelPlan, zero: int, *, steps: int = 3, s
     frozen = DeepSpeedModel(model, plan, zero_stage=zero, lr=0.0, **opt)
     got_ref = frozen.logprobs(mine["input_ids"], mine["attention_mask"])
     report["max_dlogprob_refmodel"] = _max(max(((got_ref[k] - ref_out[k]).abs() * valid).max() for k in got_ref))
+    report["refmodel_memory"] = frozen.memory().to_dict(orient="records")
     del frozen
 
     loss = dm.forward_backward(mine, loss_fn)
