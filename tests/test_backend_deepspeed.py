@@ -54,6 +54,9 @@ def run_layouts(tmp_path, tiny_paths, nprocs: int, layouts: list[str], ckpt: boo
             assert rep.get(key) is not None and rep[key] <= bound, (key, rep.get(key), rep["layout"])
         assert abs(rep["loss"] - rep["ref_loss"]) <= 1e-6 * max(1.0, abs(rep["ref_loss"])), rep
         assert abs(rep["grad_norm"] - rep["ref_grad_norm"]) <= 1e-5 * rep["ref_grad_norm"], rep
+        # micro-batches weighted by their response tokens (weight_fn), as the workers' token-mean losses
+        assert abs(rep["weighted_loss"] - rep["ref_weighted_loss"]) <= 1e-6 * max(1.0, abs(rep["ref_weighted_loss"]))
+        assert rep["max_dgrad_weighted"] <= TOL["max_dgrad"], (rep["max_dgrad_weighted"], rep["layout"])
         assert rep["strict_load"] is True
         assert rep["padding_free_refused"] is True
         # every HF parameter's gradient was compared on some rank

@@ -23,7 +23,15 @@ import torch.nn as nn
 
 from rlkit.backends.deepspeed import DeepSpeedModel
 from rlkit.errors import PlanError
-from rlkit.parallel.check import _chunks, _max, make_batch, ppo_loss, reference_forward, value_loss
+from rlkit.parallel.check import (
+    _chunks,
+    _max,
+    _response_tokens,
+    make_batch,
+    ppo_loss,
+    reference_forward,
+    value_loss,
+)
 from rlkit.parallel.model import load_hf
 from rlkit.plan.topology import ParallelPlan
 
@@ -179,6 +187,20 @@ def check_layout(model: str, plan: ParallelPlan, zero: int, *, steps: int = 3, s
             report["resume_max_dweight"] = max((sd2[k] - sd[k]).abs().max().item() for k in sd)
         del dm2
     report["memory"] = dm.memory().to_dict(orient="records")
+
+    # weighted micro-batches (the workers' token-mean objectives): sum(w * loss) / sum(w), w = response tokens
+    b = batches[-1]
+    wloss = dm.forward_backward(dm.shard_batch(b), loss_fn, _response_tokens)
+    chunks = [c for d in _chunks(b, plan.dp) for c in _chunks(d, m)]
+    ws = [_response_tokens(c) for c in chunks]
+    ref_w = sum(w * loss_fn(reference_forward(ref, ref_vh, c), c) for w, c in zip(ws, chunks)) / sum(ws)
+    ref_w.backward()
+    wdiff = 0.0
+    for name, g in dm.full_grads():
+        wdiff = max(wdiff, (g.float() - ref_named[name].grad).abs().max().item())
+    ref_opt.zero_grad(set_to_none=True)
+    dm.optimizer_step()  # leaves DeepSpeed's accumulation counters at a boundary
+    report.update(weighted_loss=wloss, ref_weighted_loss=ref_w.item(), max_dgrad_weighted=_max(torch.tensor(wdiff)))
     return report
 
 
