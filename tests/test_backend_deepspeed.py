@@ -103,6 +103,11 @@ def test_pipeline_pp2_matches_single_process(tmp_path, tiny_paths):
             assert 0.3 * rep["param_bytes"] < row["weights"] < 0.7 * rep["param_bytes"], (row, rep["layout"])
 
 
+def test_dp2_pp2_on_4_ranks_matches_single_process(tmp_path, tiny_paths):
+    # pipe outermost, data inside (rlkit's tp-dp-pp order with tp=1; the constructor checks DeepSpeed agrees)
+    run_layouts(tmp_path, tiny_paths, 4, ["dp2-pp2-z1:llama-tied", "dp2-pp2-z0:qwen2"])
+
+
 def test_one_rank_matches_single_process(tmp_path, tiny_paths):
     reps = run_layouts(tmp_path, tiny_paths, 1, ["dp1-z0:qwen2", "dp1-z2:llama-tied"], ckpt=True)
     _memory_matches_zero(reps[0], dp=1)

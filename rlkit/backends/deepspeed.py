@@ -207,6 +207,13 @@ class DeepSpeedModel:
         deepspeed = import_deepspeed()
         if dist.get_world_size() != plan.world_size:
             raise PlanError(f"the plan has {plan.world_size} ranks, the process group {dist.get_world_size()}")
+        from deepspeed.utils import groups as ds_groups
+
+        if plan.pp == 1 and ds_groups.mpu is not None:
+            # a pipeline engine sets DeepSpeed's process-global model-parallel grid, which every later engine of
+            # the process then reads (its data-parallel group and checkpoint rank): a pp=1 engine would be wrong
+            raise PlanError("this process already holds a DeepSpeed pipeline model (pp > 1); DeepSpeed keeps its "
+                            "grid process-wide, so a pp=1 DeepSpeedModel cannot join it: use one plan per process")
         hf = load_hf(model)
         plan.validate(model=hf.config)
         self.plan, self.config, self.head, self.zero_stage = plan, hf.config, head, zero_stage
