@@ -2,9 +2,11 @@
 
 One launch per layout runs ``python -m rlkit.backends.megatron.check``: log-probs and entropy (or values) on a
 batch with left-padded prompts and right-padded responses, the PPO-style loss, every gradient by HF name, the
-grad norm, the weights after 3 clipped AdamW steps at lr=1e-3, the full-weight gather strict-loaded into a
-fresh HF model (in HF's order), and on one layout save -> load -> continue (bit-exact) and a missing
-checkpoint's error on every rank.
+grad norm, the weights after 3 clipped AdamW steps at lr=1e-3 (the second weighted by response tokens through
+``weight_fn``), ``set_scoring``, the full-weight gather strict-loaded into a fresh HF model (in HF's order),
+and on one layout save -> load -> continue (bit-exact) and a missing checkpoint's error on every rank.
+4-rank tp=2 x pp=2 (tied Llama) is not in the suite (30 s on 2 cores); run by hand it measured log-probs
+4.8e-7, entropy 1.9e-6, grads 5.2e-8, weights 9.7e-7.
 
 Tolerances (fp32), the torch backend's: log-probs 2e-6, entropy 1e-5, grads 1e-6, weights 1e-5, loss 1e-6
 relative, grad norm 1e-5 relative. Measured on this CPU (megatron-core 0.16.1, torch 2.13): log-probs
@@ -49,6 +51,10 @@ def run_layout(tmp_path, path, nprocs, *args, ckpt=False):
         assert rep[key] is not None and rep[key] <= TOL[key], (key, rep[key], rep["plan"])
     assert abs(rep["loss"] - rep["ref_loss"]) <= 1e-6 * max(1.0, abs(rep["ref_loss"])), rep
     assert abs(rep["grad_norm"] - rep["ref_grad_norm"]) <= 1e-5 * rep["ref_grad_norm"], rep
+    # the second step weighs micro-batches by their response tokens (weight_fn), on every DP rank
+    assert abs(rep["weighted_loss"] - rep["ref_weighted_loss"]) <= 1e-6 * max(1.0, abs(rep["ref_weighted_loss"])), rep
+    if "value" not in args:  # set_scoring(first_column=8): zeros before, the same values after
+        assert rep["scoring_exact"] <= 1e-6, rep
     assert rep["grads_cover_all"] and rep["hf_order"] and rep["strict_load"] is True, rep
     assert rep["shim"] is True  # CPU: Megatron ran through the shim
     mem = rep["memory"]

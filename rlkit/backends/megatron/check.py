@@ -34,6 +34,10 @@ def _max(x: float) -> float:
     return v if math.isfinite(v) else float("inf")
 
 
+def _response_tokens(mb: dict[str, torch.Tensor]) -> float:
+    return float(mb["response_mask"].sum())
+
+
 def _chunks(b: dict[str, torch.Tensor], k: int) -> list[dict[str, torch.Tensor]]:
     n = b["input_ids"].shape[0] // k
     return [{key: v[i * n:(i + 1) * n] for key, v in b.items()} for i in range(k)]
@@ -71,9 +75,10 @@ def run_check(model: str, plan: ParallelPlan, *, head: str = "lm", steps: int = 
         b["old_logprobs"] = old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(s))
         batches.append(b)
 
-    def ref_step(b: dict[str, torch.Tensor], do_step: bool = True) -> float:
+    def ref_step(b: dict[str, torch.Tensor], do_step: bool = True, weighted: bool = False) -> float:
         chunks = [c for d in _chunks(b, plan.dp) for c in _chunks(d, m)]
-        loss = sum(loss_fn(reference_forward(ref, ref_vh, c), c) for c in chunks) / len(chunks)
+        w = [_response_tokens(c) if weighted else 1.0 for c in chunks]
+        loss = sum(wi * loss_fn(reference_forward(ref, ref_vh, c), c) for wi, c in zip(w, chunks)) / sum(w)
         loss.backward()
         if do_step:
             torch.nn.utils.clip_grad_norm_(ref_params, max_grad_norm)
@@ -90,6 +95,13 @@ def run_check(model: str, plan: ParallelPlan, *, head: str = "lm", steps: int = 
     valid = am if head == "value" else am & torch.cat([torch.zeros_like(am[:, :1]), am[:, :-1]], 1)
     for k in got:
         rep[f"max_d{k.rstrip('s')}"] = _max(((got[k] - ref_out[k]).abs() * valid).max().item())
+    if head == "lm":  # set_scoring: columns before first_column come back 0, the others unchanged
+        first = seq_len // 2
+        mm.set_scoring(first_column=first, entropy_grad=False)
+        part = mm.logprobs(mine["input_ids"], mine["attention_mask"])
+        mm.set_scoring(first_column=1, entropy_grad=True)
+        rep["scoring_exact"] = _max(max(float(part[k][:, :first].abs().max()) for k in part) +
+                                    max(float((part[k][:, first:] - got[k][:, first:]).abs().max()) for k in part))
 
     rep["loss"] = mm.forward_backward(mine, loss_fn)
     rep["ref_loss"] = ref_step(batches[0], do_step=False)
@@ -108,10 +120,13 @@ def run_check(model: str, plan: ParallelPlan, *, head: str = "lm", steps: int = 
 
     ckpt = mm.save(f"{ckpt_dir}/step{mm.step}") if ckpt_dir else None
     losses = [rep["loss"]]
-    for b in batches[1:]:
-        out = mm.train_step(mm.shard_batch(b), loss_fn)
+    for i, b in enumerate(batches[1:]):  # the second step weighs micro-batches by their response tokens
+        weight_fn = _response_tokens if i == 0 else None
+        out = mm.train_step(mm.shard_batch(b), loss_fn, weight_fn)
         losses.append(out["loss"])
-        ref_step(b)
+        ref_loss = ref_step(b, weighted=weight_fn is not None)
+        if i == 0:
+            rep["weighted_loss"], rep["ref_weighted_loss"] = out["loss"], ref_loss
     rep["losses"] = losses
 
     sd = mm.full_state_dict(to=0)
@@ -140,8 +155,8 @@ def run_check(model: str, plan: ParallelPlan, *, head: str = "lm", steps: int = 
     if ckpt is not None:
         mm.load(ckpt)
         rep["resume_step"] = mm.step
-        for b in batches[1:]:
-            mm.train_step(mm.shard_batch(b), loss_fn)
+        for i, b in enumerate(batches[1:]):
+            mm.train_step(mm.shard_batch(b), loss_fn, _response_tokens if i == 0 else None)
         sd2 = mm.full_state_dict(to=0)
         if rank == 0:
             rep["resume_max_dweight"] = max((sd2[k] - sd[k]).abs().max().item() for k in sd)
