@@ -242,8 +242,9 @@ class DeepSpeedModel:
         if value_head is not None:
             names |= {id(p): f"value_head.{n}" for n, p in value_head.named_parameters()}
         self._hf_order = list(names.values())
-        self._shapes = {n: (tuple(p.shape), p.dtype) for p in [*hf.parameters(), *(value_head.parameters()
-                        if value_head is not None else [])] if (n := names.get(id(p)))}
+        everything = [*hf.parameters(), *(value_head.parameters() if value_head is not None else [])]
+        # shapes of every HF tensor: a pipeline stage receives the ones other stages hold
+        self._shapes = {names[id(p)]: (tuple(p.shape), p.dtype) for p in everything if id(p) in names}
 
         m = plan.n_micro_batches
         # DeepSpeed 0.19.8's ZeRO-0 clipping under a pipeline counts only the first stage's gradients in the
@@ -613,9 +614,10 @@ class DeepSpeedModel:
         dist.all_gather_object(problems, problem)
         if any(problems):
             raise CheckpointError(next(p for p in problems if p))
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in
+                  (self.optimizer.param_groups if self.optimizer is not None else [])]
         try:
-            loaded, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True,
+            loaded, _ = self.engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=self.trains,
                                                     load_lr_scheduler_states=False)
             problem = None if loaded is not None else f"DeepSpeed found no checkpoint under {path / TAG}"
         except Exception as e:  # a damaged file: name it on every rank below
