@@ -99,6 +99,16 @@ def test_unsupported_family_is_refused():
     check_family(LlamaConfig())  # a plain Llama passes
 
 
+def test_features_it_lacks_are_refused(tiny_paths):
+    from rlkit.backends.megatron import MegatronModel
+
+    for kw, match in (({"lora": 8}, "LoRA"), ({"precision": "bf16-mixed"}, "fp32"), ({"head": "q"}, "head")):
+        with pytest.raises(PlanError, match=match):  # before any process group or Megatron state is touched
+            MegatronModel(tiny_paths["qwen2"], ParallelPlan(), **kw)
+    with pytest.raises(PlanError, match="vpp"):
+        MegatronModel(tiny_paths["qwen2"], ParallelPlan(pp=2, vpp=2))
+
+
 def test_shim_applies_on_cpu_only_and_once():
     # in a fresh process: the shim patches torch.cuda process-wide, which this one should not see
     code = """

@@ -183,6 +183,8 @@ class MegatronModel:
                 p.copy_(convert.to_megatron(name, self._global_layer(gpt, name), hf_sd.__getitem__, cfg,
                                             plan.tp, self.tp_rank))
         del hf_sd
+        if self.device.type == "cuda":  # built on the CPU (use_cpu_initialization); trained on the GPU
+            gpt.cuda(self.device)
         self.gpt = gpt
         with shim.cpu_devices():
             self.ddp = DistributedDataParallel(
