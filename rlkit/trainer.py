@@ -153,7 +153,7 @@ class Trainer:
         worker_kwargs = dict(rollout=self.rollout, actor_lr=c.lr, critic_lr=c.critic_lr, max_grad_norm=c.max_grad_norm,
                              need_ref=self.uses_reference, need_critic=self.algo.needs_critic, precision=c.precision,
                              padding_free=inputs.padding_free(c, self.plan), micro_batch_tokens=c.micro_batch_tokens,
-                             lora=c.lora, agent=self.agent, backend=self.backend)
+                             lora=c.lora, agent=self.agent, train_backend=self.backend)
         self.workers, self.cluster = RLWorkers.start(
             self.placement, self.cluster, model_path=self.model_path, layout=self.layout,
             worker_kwargs=worker_kwargs, seed=c.seed, timeout_s=c.timeout_s, owner=self,

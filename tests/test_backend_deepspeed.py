@@ -25,7 +25,6 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
-from rlkit.errors import WorkerError  # noqa: E402
 from rlkit.models import tiny_lm  # noqa: E402
 from rlkit.parallel.launch import launch  # noqa: E402
 
@@ -114,16 +113,10 @@ def test_one_rank_matches_single_process(tmp_path, tiny_paths):
     _memory_matches_zero(reps[0], dp=1)
 
 
-@pytest.mark.slow
 @pytest.mark.ray
-@pytest.mark.xfail(raises=WorkerError, strict=True,
-                   reason="rlkit.workers.group.WorkerGroup's own backend= (torch.distributed's) takes the "
-                          "training backend the Trainer passes for RLWorker: init_process_group gets an "
-                          "rlkit.Backend; remove this mark once that parameter is renamed")
 def test_grpo_learns_on_deepspeed(tmp_path):
     """GRPO end to end through Trainer(backend=Backend("deepspeed", zero_stage=2)) on 2 Ray ranks (dp=2), as
-    tests/test_trainer.py::test_algorithms_and_layouts_learn does on the torch backend. Measured (2026-12-05,
-    with that parameter routed around in the driver): reward 0.023 -> 0.109 over the first / last five of 40
+    tests/test_trainer.py::test_algorithms_and_layouts_learn does on the torch backend. Measured (2026-12-05): reward 0.023 -> 0.109 over the first / last five of 40
     steps; the first three steps' rewards equal the torch backend's, their loss, grad norm and entropy within
     3e-7 relative."""
     import rlkit

@@ -10,7 +10,8 @@ optimizer state, the bytes a plan's ranks hold between steps.
   weights are their own master). Partitions are ``ceil(Psi / N_d)`` (DeepSpeed pads its flat buffers).
 * ``"megatron"``: Megatron-Core's layout. TP splits every linear layer of a decoder layer (the fused QKV and its
   bias, the projection, the fused gate/up and down) and the vocabulary of the embedding and output layer;
-  RMSNorm weights are replicated. The vocabulary is padded to a multiple of ``vocab_multiple x tp``. PP splits
+  RMSNorm weights are replicated. The vocabulary is padded to a multiple of ``vocab_multiple x tp`` (rlkit's
+  ``MegatronModel`` pads to a multiple of tp, ``vocab_multiple=1``; Megatron-LM's scripts use 128). PP splits
   the layers as the plan does; a tied output layer is a second copy on the last stage (pp > 1). DP replicates
   (DDP); gradients live in DDP's fp32 buffer (Psi x 4). The optimizer holds Adam's moments (8 B/param), plus
   the fp32 master weights (4) when the weights are 16-bit; its distributed optimizer (``distributed_optimizer=
@@ -42,7 +43,7 @@ WEIGHT_BYTES = {"fp32": 4, "bf16-mixed": 2, "bf16": 2}
 
 
 def backend_memory(plan: ParallelPlan, model: Any, backend: str = "torch", *, zero_stage: int | None = None,
-                   precision: str = "fp32", distributed_optimizer: bool = False, vocab_multiple: int = 128,
+                   precision: str = "fp32", distributed_optimizer: bool = False, vocab_multiple: int = 1,
                    **torch_kw: Any):
     """Per-rank bytes of ``weights``, ``grads``, ``optimizer`` and their ``total`` under ``backend`` (AdamW).
 
@@ -93,11 +94,11 @@ def backend_memory(plan: ParallelPlan, model: Any, backend: str = "torch", *, ze
     return df.assign(total=df.weights + df.grads + df.optimizer)
 
 
-def padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
+def padded_vocab(vocab: int, tp: int, multiple: int = 1) -> int:
     """Megatron's padded vocabulary: the next multiple of ``multiple x tp`` (``make_vocab_size_divisible_by``).
 
-    >>> padded_vocab(49152, 2), padded_vocab(100, 2, multiple=1)
-    (49152, 100)
+    >>> padded_vocab(49155, 2), padded_vocab(49155, 2, multiple=128)
+    (49156, 49408)
     """
     step = multiple * tp
     return math.ceil(vocab / step) * step

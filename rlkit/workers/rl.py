@@ -96,14 +96,15 @@ class RLWorker:
                  actor_lr: float, critic_lr: float = 1e-4, max_grad_norm: float | None = 1.0,
                  need_ref: bool = False, need_critic: bool = False, seed: int = 0, colocate_rollout: bool = True,
                  precision: str = "fp32", padding_free: bool = False, micro_batch_tokens: int | None = None,
-                 lora: Any = None, agent: Any = None, backend: Backend | None = None):
+                 lora: Any = None, agent: Any = None, train_backend: Backend | None = None):
         from transformers import AutoConfig
 
         torch.manual_seed(seed)
         self.plan, self.rank = plan, dist.get_rank()
         self.agent = agent  # multi-turn episodes with tools (rlkit.agent), run where the engine generates
         self.layout = layout
-        self.backend = backend = backend or Backend()
+        # train_backend, not backend: a worker group's own `backend` is torch.distributed's (gloo / nccl)
+        self.backend = backend = train_backend or Backend()
         groups = None
         if backend.name == "torch":  # the other backends build their own groups, in the same rank order
             config = AutoConfig.from_pretrained(str(model_path))
