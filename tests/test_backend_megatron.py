@@ -11,8 +11,9 @@ and on one layout save -> load -> continue (bit-exact) and a missing checkpoint'
 Tolerances (fp32), the torch backend's: log-probs 2e-6, entropy 1e-5, grads 1e-6, weights 1e-5, loss 1e-6
 relative, grad norm 1e-5 relative. Measured on this CPU (megatron-core 0.16.1, torch 2.13): log-probs
 <= 4.8e-7 (0 on dp / pp: the same kernels as HF's), entropy <= 1.9e-6 (tp=2: the vocab gathered from two
-shards), grads <= 2.4e-7, weights after 3 steps <= 1.2e-6, the gathered model's log-probs <= 4.8e-7: every
-bound holds with at least 4x headroom.
+shards), grads <= 1.7e-7 (the critic's, 10x larger, <= 8.3e-7 against a bound of 4e-6), values <= 5.6e-8,
+weights after 3 steps <= 1.2e-6, the gathered model's log-probs <= 4.8e-7: every bound holds with at least
+4x headroom.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ pytest.importorskip("megatron.core")
 from rlkit import ParallelPlan  # noqa: E402
 from rlkit.backends import check_backend  # noqa: E402
 from rlkit.backends.families import check_family  # noqa: E402
-from rlkit.errors import PlanError, WorkerError  # noqa: E402
+from rlkit.errors import PlanError  # noqa: E402
 from rlkit.models import tiny_lm  # noqa: E402
 from rlkit.parallel.launch import launch  # noqa: E402
 
 TOL = {"max_dlogprob": 2e-6, "max_dentropy": 1e-5, "max_dvalue": 2e-6, "max_dgrad": 1e-6, "max_dweight": 1e-5,
        "max_dlogprob_gathered_model": 1e-5}
+# The critic's squared-error gradients are ~10x the actor's (grad norm 30 against 2-5): its absolute bound too
+CRITIC_DGRAD = 4e-6
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +50,9 @@ def run_layout(tmp_path, path, nprocs, *args, ckpt=False):
     assert res.returncodes == [0] * nprocs and res.report is not None, res.log()
     rep = res.report
     outputs = ("max_dvalue",) if "value" in args else ("max_dlogprob", "max_dentropy", "max_dlogprob_gathered_model")
+    tol = TOL | ({"max_dgrad": CRITIC_DGRAD} if "value" in args else {})
     for key in ("max_dgrad", "max_dweight", *outputs):  # a missing key fails: nothing passes unchecked
-        assert rep[key] is not None and rep[key] <= TOL[key], (key, rep[key], rep["plan"])
+        assert rep[key] is not None and rep[key] <= tol[key], (key, rep[key], rep["plan"])
     assert abs(rep["loss"] - rep["ref_loss"]) <= 1e-6 * max(1.0, abs(rep["ref_loss"])), rep
     assert abs(rep["grad_norm"] - rep["ref_grad_norm"]) <= 1e-5 * rep["ref_grad_norm"], rep
     # the second step weighs micro-batches by their response tokens (weight_fn), on every DP rank
@@ -135,13 +139,9 @@ print("ok")
 
 
 @pytest.mark.ray
-@pytest.mark.xfail(raises=WorkerError, strict=True,
-                   reason="rlkit.workers.group.WorkerGroup's own backend= (torch.distributed's) takes the "
-                          "training backend the Trainer passes for RLWorker: init_process_group gets an "
-                          "rlkit.Backend; remove this mark once that parameter is renamed")
 def test_grpo_learns_on_megatron(tmp_path):
     """GRPO on Megatron at tp=2 through the Trainer (Ray workers, HF rollout): 40 steps on 'repeat'.
-    Measured (with WorkerGroup's parameter renamed): mean reward 0.021 over the first five steps, 0.164 over
+    Measured: mean reward 0.021 over the first five steps, 0.164 over
     the last five (the torch backend's test asks +0.04 of its layouts)."""
     import rlkit
     from rlkit.trainer import Trainer

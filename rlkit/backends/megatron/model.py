@@ -36,6 +36,7 @@ from rlkit.backends.families import (
 )
 from rlkit.backends.megatron import convert, shim
 from rlkit.errors import CheckpointError, PlanError
+from rlkit.parallel.loading import CheckpointReader, can_load_sharded, empty_model
 from rlkit.parallel.model import load_hf
 from rlkit.parallel.stage import causal_padding_mask, position_ids_from_mask, token_logprobs
 from rlkit.plan.topology import ParallelPlan
@@ -128,7 +129,10 @@ class MegatronModel:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        hf = load_hf(model)
+        # A local checkpoint folder: the model's shapes on meta, and each rank reads only the tensors its
+        # shard is cut from (one at a time); a module or hub id is loaded whole.
+        reader = CheckpointReader(model) if can_load_sharded(model) else None
+        hf = empty_model(model) if reader is not None else load_hf(model)
         cfg = hf.config
         check_family(cfg)
         plan.validate(model=cfg)
@@ -171,7 +175,13 @@ class MegatronModel:
                 gpt.value_head.bias.zero_()
         self._value_init = {f"value_head.{k}": v.detach().clone() for k, v in
                             (gpt.value_head.named_parameters() if hasattr(gpt, "value_head") else [])}
-        hf_sd = dict(hf.state_dict()) | self._value_init
+        whole = {} if reader is not None else dict(hf.state_dict())
+
+        def read(name: str) -> torch.Tensor:
+            if name in self._value_init:
+                return self._value_init[name]
+            return reader.get(name) if reader is not None else whole[name]
+
         # HF's parameter order (and shapes) for iter_full_weights: a tied lm_head is the embedding
         self._hf_shapes = {n: tuple(p.shape) for n, p in hf.named_parameters()}
         if head == "value":
@@ -180,9 +190,9 @@ class MegatronModel:
         del hf
         with torch.no_grad():
             for name, p in gpt.named_parameters():
-                p.copy_(convert.to_megatron(name, self._global_layer(gpt, name), hf_sd.__getitem__, cfg,
+                p.copy_(convert.to_megatron(name, self._global_layer(gpt, name), read, cfg,
                                             plan.tp, self.tp_rank))
-        del hf_sd
+        whole.clear()  # the whole model loaded (module or hub id) goes with it
         if self.device.type == "cuda":  # built on the CPU (use_cpu_initialization); trained on the GPU
             gpt.cuda(self.device)
         self.gpt = gpt
