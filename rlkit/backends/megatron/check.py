@@ -70,6 +70,8 @@ def run_check(model: str, plan: ParallelPlan, *, head: str = "lm", steps: int = 
     batches = []
     for s in range(steps):
         b = make_batch(plan.dp * m, seq_len, ref.config.vocab_size, seed=seed + s)
+        if ref.config.pad_token_id is not None:  # the pad id as a real token (an EOS that doubles as pad):
+            b["input_ids"][:, seq_len // 2 + 1] = ref.config.pad_token_id  # HF's padding_idx trains nothing there
         with torch.no_grad():
             old = reference_forward(ref, None, b)["logprobs"]
         b["old_logprobs"] = old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(s))

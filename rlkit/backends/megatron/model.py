@@ -166,6 +166,9 @@ class MegatronModel:
             gpt = GPTModel(config=self.mcore_config, transformer_layer_spec=get_gpt_layer_local_spec(
                 normalization="RMSNorm"), vocab_size=convert.padded_vocab(cfg.vocab_size, plan.tp),
                 pre_process=self.has_first, post_process=self.has_last, parallel_output=True, **kw)
+        pad = getattr(cfg, "pad_token_id", None)
+        if self.has_first and pad is not None:
+            gpt.embedding.word_embeddings.register_forward_hook(_padding_idx_hook(int(pad)))
         if self.has_last and head == "value":
             gpt.output_layer = None  # the critic's head replaces the vocabulary head
             g = torch.Generator().manual_seed(seed)  # ParallelModel's init: replicated copies start equal
@@ -591,6 +594,18 @@ class MegatronModel:
         rows: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(rows, row)
         return pd.DataFrame(rows)
+
+
+def _padding_idx_hook(pad: int):
+    """HF's ``nn.Embedding(padding_idx=pad)`` in Megatron's embedding: the pad token's lookups give no gradient
+    to its row (a pad token the model samples, or the EOS that doubles as pad, trains nothing there). The
+    values are unchanged; a tied output layer's gradient for that row still flows, as in HF."""
+
+    def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        at_pad = (args[0] == pad).unsqueeze(-1)
+        return torch.where(at_pad, output.detach(), output) if bool(at_pad.any()) else output
+
+    return hook
 
 
 def ps_last_rank() -> int:
