@@ -148,6 +148,8 @@ def check_backend(backend: str | Backend | None, plan: ParallelPlan, config: Any
 def make_model(backend: Backend, model: Any, plan: ParallelPlan, **kwargs: Any) -> Any:
     """This rank's model under ``backend``: ``ParallelModel``'s constructor arguments (``head``, ``lr``,
     ``max_grad_norm``, ``seed``, ``eps``, ``precision``, ``groups``, ``lora``), a collective."""
+    if backend.name != "torch":
+        _quiet_library()
     if backend.name == "megatron":
         from rlkit.backends.megatron import MegatronModel
 
@@ -161,6 +163,18 @@ def make_model(backend: Backend, model: Any, plan: ParallelPlan, **kwargs: Any) 
     from rlkit.parallel import ParallelModel
 
     return ParallelModel(model, plan, **kwargs)
+
+
+def _quiet_library() -> None:
+    """Worker noise out: Megatron-Core's and DeepSpeed's advisory warnings (no Apex, CUDA_DEVICE_MAX_CONNECTIONS,
+    torch's deprecation of the all-gather they call) and DeepSpeed's INFO log (its op builds, its config dump).
+    Their errors still raise, and DeepSpeed's own warnings still print."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", module=r"(megatron|deepspeed)\.")
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 
 __all__ = ["NAMES", "Backend", "check_backend", "installed", "make_model", "resolve"]

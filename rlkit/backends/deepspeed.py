@@ -26,6 +26,8 @@ replaced by one without its ``OptimizerStep``, and ``optimizer_step`` calls ``_e
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import random
 import time
@@ -69,7 +71,8 @@ def import_deepspeed():
     if not dist.is_initialized():
         raise PlanError("DeepSpeedModel runs inside an initialized torch.distributed world "
                         "(rlkit.parallel.dist.init_distributed)")
-    deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group
+    with contextlib.redirect_stdout(io.StringIO()):  # its JIT op build prints "... built successfully"
+        deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group
     return deepspeed
 
 
