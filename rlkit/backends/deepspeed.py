@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import random
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -43,7 +42,16 @@ import torch.nn.functional as F
 from rlkit import atomic
 from rlkit.checks import choice
 from rlkit.errors import CheckpointError, PlanError
-from rlkit.parallel.model import PRECISIONS, LossFn, WeightFn, load_hf
+from rlkit.parallel.model import (
+    PRECISIONS,
+    LossFn,
+    WeightFn,
+    dp_slice,
+    load_hf,
+    micro_batches,
+    restore_rng_state,
+    rng_state,
+)
 from rlkit.parallel.stage import (
     Stage,
     _run_layer,
@@ -328,22 +336,7 @@ class DeepSpeedModel:
     # ---- batches -----------------------------------------------------------------------------------
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
         """This rank's DP slice of a global batch (tensors split along dim 0; other values kept)."""
-        n = _batch_size(batch)
-        if n % self.dp_size:
-            raise PlanError(f"global batch of {n} sequences is not divisible by dp={self.dp_size}; "
-                            f"use a multiple of {self.dp_size}")
-        k = n // self.dp_size
-        return {key: v[self.dp_rank * k:(self.dp_rank + 1) * k] if torch.is_tensor(v) else v
-                for key, v in batch.items()}
-
-    def _parts(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
-        m, n = self.plan.n_micro_batches, _batch_size(batch)
-        if n % m:
-            raise PlanError(f"this rank's batch of {n} sequences does not split into micro_batches={m}; "
-                            f"use a per-DP-rank batch that is a multiple of {m} (global: dp*{m}*k)")
-        k = n // m
-        return [{key: v[j * k:(j + 1) * k] if torch.is_tensor(v) else v for key, v in batch.items()}
-                for j in range(m)]
+        return dp_slice(batch, self.dp_rank, self.dp_size)
 
     def set_scoring(self, *, first_column: int = 1, entropy_grad: bool = True) -> None:
         """Score only columns ``>= first_column`` (earlier ones come back 0); ``entropy_grad=False`` keeps the
@@ -375,7 +368,7 @@ class DeepSpeedModel:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         batch = {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device)}
-        parts = self._parts(batch)
+        parts = micro_batches(batch, self.plan.n_micro_batches)
         if self.plan.pp == 1:
             self.module.eval()
             try:
@@ -436,7 +429,7 @@ class DeepSpeedModel:
                             "policy) has no optimizer to train with; build it with lr > 0")
         batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         batch.setdefault("attention_mask", torch.ones_like(batch["input_ids"]))
-        parts = self._parts(batch)
+        parts = micro_batches(batch, self.plan.n_micro_batches)
         m = len(parts)
         weights = [1.0] * m if weight_fn is None else [float(weight_fn(mb)) for mb in parts]
         total_weight = torch.tensor(sum(weights), dtype=torch.float64, device=self.device)
@@ -589,9 +582,7 @@ class DeepSpeedModel:
         dist.broadcast_object_list(box, src=0)
         tmp = Path(box[0])
         self.engine.save_checkpoint(str(tmp), tag=TAG, client_state={"rlkit_step": self.step}, save_latest=False)
-        torch.save({"step": self.step, "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
-                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                   tmp / f"extra_rank{self.rank}.pt")
+        torch.save({"step": self.step, **rng_state()}, tmp / f"extra_rank{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
             atomic.move_into_place(tmp, path)
@@ -631,10 +622,7 @@ class DeepSpeedModel:
         for g, kept in zip(self.optimizer.param_groups, groups):  # hyper-parameters are this run's, not the file's
             g.update(kept)
         self.step = extra["step"]
-        torch.set_rng_state(extra["torch_rng"])
-        random.setstate(extra["py_rng"])
-        if extra["cuda_rng"] is not None:
-            torch.cuda.set_rng_state_all(extra["cuda_rng"])
+        restore_rng_state(extra)
         dist.barrier()
 
     # ---- memory ------------------------------------------------------------------------------------

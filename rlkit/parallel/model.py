@@ -205,20 +205,10 @@ class ParallelModel:
     # ---- batches -----------------------------------------------------------------------------------
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
         """This rank's DP slice of a global batch (tensors split along dim 0; other values kept)."""
-        n = _batch_size(batch)
-        if n % self.dp_size:
-            raise PlanError(f"global batch of {n} sequences is not divisible by dp={self.dp_size}; "
-                            f"use a multiple of {self.dp_size}")
-        k = n // self.dp_size
-        return {key: v[self.dp_rank * k:(self.dp_rank + 1) * k] if torch.is_tensor(v) else v
-                for key, v in batch.items()}
+        return dp_slice(batch, self.dp_rank, self.dp_size)
 
     def _micro_batches(self, batch: dict[str, Any]) -> int:
-        m, n = self.plan.n_micro_batches, _batch_size(batch)
-        if n % m:
-            raise PlanError(f"this rank's batch of {n} sequences does not split into micro_batches={m}; "
-                            f"use a per-DP-rank batch that is a multiple of {m} (global: dp*{m}*k)")
-        return m
+        return len(micro_batches(batch, self.plan.n_micro_batches))
 
     def set_scoring(self, *, first_column: int = 1, entropy_grad: bool = True) -> None:
         """Score only columns ``>= first_column`` from now on (earlier columns of ``logprobs`` and
@@ -659,9 +649,7 @@ class ParallelModel:
             raise CheckpointError(f"could not write the checkpoint {path} (every rank stops: {_first_failure(e)}); "
                                   f"{path} is untouched, the write went to a temporary folder beside it. Check "
                                   f"the disk's free space and permissions") from None
-        torch.save({"step": self.step, "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
-                    "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
-                   tmp / f"extra_rank{self.rank}.pt")
+        torch.save({"step": self.step, **rng_state()}, tmp / f"extra_rank{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
             atomic.move_into_place(tmp, path)
@@ -705,10 +693,7 @@ class ParallelModel:
         state["optim"]["param_groups"] = groups
         set_state_dict(root, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.step = extra["step"]
-        torch.set_rng_state(extra["torch_rng"])
-        random.setstate(extra["py_rng"])
-        if extra["cuda_rng"] is not None:
-            torch.cuda.set_rng_state_all(extra["cuda_rng"])
+        restore_rng_state(extra)
         dist.barrier()
 
     # ---- memory ------------------------------------------------------------------------------------
@@ -922,6 +907,48 @@ def _first_failure(e: CheckpointException) -> str:
     for rank, (err, _trace) in e.failures.items():
         return f"rank {rank}: {type(err).__name__}: {_one_line(err)}"
     return "no failure recorded"
+
+
+def dp_slice(batch: dict[str, Any], dp_rank: int, dp_size: int) -> dict[str, Any]:
+    """DP rank ``dp_rank``'s slice of a global batch (tensors split along dim 0; other values kept): every
+    backend's ``shard_batch``.
+
+    >>> dp_slice({"input_ids": torch.arange(4)[:, None], "n": 1}, 1, 2)["input_ids"].tolist()
+    [[2], [3]]
+    """
+    n = _batch_size(batch)
+    if n % dp_size:
+        raise PlanError(f"global batch of {n} sequences is not divisible by dp={dp_size}; use a multiple of {dp_size}")
+    k = n // dp_size
+    return {key: v[dp_rank * k:(dp_rank + 1) * k] if torch.is_tensor(v) else v for key, v in batch.items()}
+
+
+def micro_batches(batch: dict[str, Any], m: int) -> list[dict[str, Any]]:
+    """A rank's batch cut into ``m`` equal micro-batches (a ``PlanError`` naming the fix when ``m`` does not
+    divide it).
+
+    >>> [mb["input_ids"].tolist() for mb in micro_batches({"input_ids": torch.arange(4)[:, None]}, 2)]
+    [[[0], [1]], [[2], [3]]]
+    """
+    n = _batch_size(batch)
+    if n % m:
+        raise PlanError(f"this rank's batch of {n} sequences does not split into micro_batches={m}; "
+                        f"use a per-DP-rank batch that is a multiple of {m} (global: dp*{m}*k)")
+    return list(_split(batch, m))
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random states (torch, Python, CUDA), which a checkpoint keeps per rank for an exact resume."""
+    return {"torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Put back what ``rng_state`` returned."""
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["py_rng"])
+    if state["cuda_rng"] is not None:
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
 
 
 def _split(batch: dict[str, Any], m: int):

@@ -15,7 +15,6 @@ norm clipped at ``max_grad_norm``, and a torch AdamW.
 from __future__ import annotations
 
 import os
-import random
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -37,12 +36,17 @@ from rlkit.backends.families import (
 from rlkit.backends.megatron import convert, shim
 from rlkit.errors import CheckpointError, PlanError
 from rlkit.parallel.loading import CheckpointReader, can_load_sharded, empty_model
-from rlkit.parallel.model import load_hf
+from rlkit.parallel.model import (
+    LossFn,
+    WeightFn,
+    dp_slice,
+    load_hf,
+    micro_batches,
+    restore_rng_state,
+    rng_state,
+)
 from rlkit.parallel.stage import causal_padding_mask, position_ids_from_mask, token_logprobs
 from rlkit.plan.topology import ParallelPlan
-
-LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]
-WeightFn = Callable[[dict[str, torch.Tensor]], float]
 
 
 def init_parallel_state(plan: ParallelPlan, seed: int = 0) -> None:
@@ -235,22 +239,7 @@ class MegatronModel:
     # ---- batches -----------------------------------------------------------------------------------
     def shard_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
         """This rank's DP slice of a global batch (tensors split along dim 0; other values kept)."""
-        n = _batch_size(batch)
-        if n % self.dp_size:
-            raise PlanError(f"global batch of {n} sequences is not divisible by dp={self.dp_size}; "
-                            f"use a multiple of {self.dp_size}")
-        k = n // self.dp_size
-        return {key: v[self.dp_rank * k:(self.dp_rank + 1) * k] if torch.is_tensor(v) else v
-                for key, v in batch.items()}
-
-    def _micro_batches(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
-        m, n = self.plan.n_micro_batches, _batch_size(batch)
-        if n % m:
-            raise PlanError(f"this rank's batch of {n} sequences does not split into micro_batches={m}; "
-                            f"use a per-DP-rank batch that is a multiple of {m} (global: dp*{m}*k)")
-        k = n // m
-        return [{key: v[j * k:(j + 1) * k] if torch.is_tensor(v) else v for key, v in batch.items()}
-                for j in range(m)]
+        return dp_slice(batch, self.dp_rank, self.dp_size)
 
     def set_scoring(self, *, first_column: int = 1, entropy_grad: bool = True) -> None:
         """Score only columns ``>= first_column`` (earlier ones come back 0); ``entropy_grad=False`` keeps the
@@ -319,7 +308,7 @@ class MegatronModel:
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         batch = {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device)}
-        parts = self._micro_batches(batch)
+        parts = micro_batches(batch, self.plan.n_micro_batches)
         self.gpt.eval()
         try:
             if self.plan.pp == 1:
@@ -355,7 +344,7 @@ class MegatronModel:
         Returns the objective's value (the same on every rank)."""
         batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         batch.setdefault("attention_mask", torch.ones_like(batch["input_ids"]))
-        parts = self._micro_batches(batch)
+        parts = micro_batches(batch, self.plan.n_micro_batches)
         m = len(parts)
         weights = [1.0] * m if weight_fn is None else [float(weight_fn(mb)) for mb in parts]
         total_weight = torch.tensor(sum(weights), dtype=torch.float64, device=self.device)
@@ -530,9 +519,7 @@ class MegatronModel:
             tmp.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         state = {"model": {n: p.detach().clone() for n, p in self.named.items()},
-                 "optim": self.optimizer.state_dict(), "step": self.step, "plan": self.plan.describe(),
-                 "torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
-                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+                 "optim": self.optimizer.state_dict(), "step": self.step, "plan": self.plan.describe(), **rng_state()}
         problem = None
         try:
             torch.save(state, tmp / f"rank{self.rank}.pt")
@@ -572,10 +559,7 @@ class MegatronModel:
         self.zero_grad()
         self.optimizer.load_state_dict(state["optim"])
         self.step = state["step"]
-        torch.set_rng_state(state["torch_rng"])
-        random.setstate(state["py_rng"])
-        if state["cuda_rng"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda_rng"])
+        restore_rng_state(state)
         dist.barrier()
 
     # ---- memory ------------------------------------------------------------------------------------
