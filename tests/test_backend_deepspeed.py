@@ -103,6 +103,7 @@ def test_pipeline_pp2_matches_single_process(tmp_path, tiny_paths):
             assert 0.3 * rep["param_bytes"] < row["weights"] < 0.7 * rep["param_bytes"], (row, rep["layout"])
 
 
+@pytest.mark.slow  # 4 ranks on this 2-core machine: make test-all
 def test_dp2_pp2_on_4_ranks_matches_single_process(tmp_path, tiny_paths):
     # pipe outermost, data inside (rlkit's tp-dp-pp order with tp=1; the constructor checks DeepSpeed agrees)
     run_layouts(tmp_path, tiny_paths, 4, ["dp2-pp2-z1:llama-tied", "dp2-pp2-z0:qwen2"])

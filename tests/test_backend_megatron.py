@@ -77,7 +77,7 @@ def run_layout(tmp_path, path, nprocs, *args, ckpt=False):
     ("qwen2", ("--dp", "2")),
     ("qwen2", ("--tp", "2")),
     ("llama-tied", ("--pp", "2")),
-    ("qwen2", ("--tp", "2", "--head", "value")),
+    pytest.param("qwen2", ("--tp", "2", "--head", "value"), marks=pytest.mark.slow),  # the critic: make test-all
 ], ids=["dp2", "tp2", "pp2-llama-tied", "tp2-critic"])
 def test_layout_matches_hf(tmp_path, tiny_paths, arch, args):
     run_layout(tmp_path, tiny_paths[arch], 2, *args)
