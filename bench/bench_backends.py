@@ -103,7 +103,7 @@ def main() -> None:
     print(df.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     table = df.groupby(["model", "dp", "backend"], sort=False)[["step", "update"]].median()
     torch_rows = table.xs("torch", level="backend")
-    table["update vs torch"] = [row.update / torch_rows.loc[(m, d)].update for (m, d, _b), row in table.iterrows()]
+    table["update vs torch"] = [row["update"] / torch_rows.loc[(m, d), "update"] for (m, d, _b), row in table.iterrows()]
     print("\nmedians over rounds (seconds; update vs torch: the backend's update time / torch's):")
     print(table.to_string(float_format=lambda x: f"{x:.3f}"))
 
