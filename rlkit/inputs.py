@@ -302,7 +302,7 @@ def check_backend(config: TrainerConfig, plan: ParallelPlan, model_path: str, ro
 
     hf_config = AutoConfig.from_pretrained(model_path) if config.backend.name != "torch" else None
     return check(config.backend, plan, hf_config, lora=config.lora, padding_free=padding_free(config, plan),
-                 rollout_tp=rollout.tp)
+                 rollout_tp=rollout.tp, precision=config.precision)
 
 
 def check_generation_layout(rollout: Rollout, placement: Any, model_path: str) -> None:

@@ -412,10 +412,11 @@ def _backend_cases():
          "which backend='deepspeed' does not run"),
         (dict(backend="megatron", plan=P(tp=2, order="dp-tp-pp")), "lays ranks out in Megatron's order; use "
          "order='tp-dp-pp'"),
+        (dict(backend="megatron", precision="bf16-mixed"), "backend='megatron' trains fp32 here"),
     ]
 
 
-@pytest.mark.parametrize("case", range(7))
+@pytest.mark.parametrize("case", range(8))
 def test_backend_errors_fail_before_any_worker(case, model, no_workers_start):
     kw, expect = _backend_cases()[case]
     with pytest.raises(rlkit.RlkitError) as e:

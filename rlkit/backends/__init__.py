@@ -90,7 +90,7 @@ def installed(name: str) -> bool:
 
 
 def check_backend(backend: str | Backend | None, plan: ParallelPlan, config: Any = None, *, lora: Any = None,
-                  padding_free: bool = False, rollout_tp: int | None = None) -> Backend:
+                  padding_free: bool = False, rollout_tp: int | None = None, precision: str = "fp32") -> Backend:
     """The driver's check of a backend choice, before any worker starts: installed, the plan's layout runnable
     by it, the model family covered (``config``: the HF config), and the features it lacks not asked for.
     Returns the resolved ``Backend``; raises ``PlanError`` naming the value and the fix.
@@ -127,6 +127,10 @@ def check_backend(backend: str | Backend | None, plan: ParallelPlan, config: Any
         if plan.dp_shard != "replicate" and plan.dp > 1:
             raise PlanError(f"Megatron-Core's DP replicates the weights (DDP; its distributed optimizer needs CUDA): "
                             f"dp_shard={plan.dp_shard!r} cannot run; use ParallelPlan(..., dp_shard='replicate')")
+        if precision != "fp32":
+            raise PlanError(f"backend='megatron' trains fp32 here (its bf16 path, Float16OptimizerWithFloat16Params, is "
+                            f"not wired yet); use precision='fp32', or backend='torch' / 'deepspeed' for "
+                            f"precision={precision!r}")
         if plan.vpp > 1:
             raise PlanError(f"backend='megatron' runs vpp=1 here (virtual stages are not wired yet); got vpp={plan.vpp}")
         if config is not None:
