@@ -426,8 +426,10 @@ def test_backend_errors_fail_before_any_worker(case, model, no_workers_start):
 
 @pytest.mark.parametrize("name, module", [("megatron", "megatron"), ("deepspeed", "deepspeed")])
 def test_a_backend_not_installed_names_its_pip_extra(name, module, model, no_workers_start, monkeypatch):
-    # None in sys.modules is Python's own "this module cannot be imported": the state of a venv without it
-    monkeypatch.setitem(sys.modules, module, None)
+    # None in sys.modules is Python's own "this module cannot be imported": the state of a venv without it (its
+    # submodules too: an earlier test may have imported them, and find_spec trusts sys.modules)
+    for name in [m for m in sys.modules if m == module or m.startswith(module + ".")] + [module]:
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(rlkit.PlanError, match=rf"backend='{name}' needs .*, which is not installed; install the "
                                               rf"extra: pip install 'rlkit\[{name}\]'"):
         Trainer(model=model, dataset=rlkit.tasks.repeat, backend=name)
