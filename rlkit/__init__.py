@@ -11,10 +11,18 @@ so `import rlkit` and the plan math stay fast.
 from __future__ import annotations
 
 import importlib
+import os
+import shutil
 
 from rlkit.errors import CheckpointError, PlanError, RlkitError, TrainerError, WorkerError
 
 __version__ = "0.1.0"
+
+# DeepSpeed (extra `deepspeed`), once installed, is imported by transformers' save/load paths too, and on a
+# machine without a GPU it prints an accelerator warning on every first import: name its CPU accelerator up
+# front there (nvidia-smi is how the Makefile tells the two apart; a value the user set is kept).
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 # Plan objects show themselves with views of the widgets layer, which rlkit.plan may not import: the
 # widgets package registers them with rlkit.display here, by name (ipywidgets loads on first display).

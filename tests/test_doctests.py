@@ -17,7 +17,8 @@ import pytest
 import rlkit
 
 # entry points and glue, with nothing a user calls from Python
-NO_EXAMPLE_NEEDED = {"rlkit.cli", "rlkit.demo", "rlkit.parallel.check"}
+NO_EXAMPLE_NEEDED = {"rlkit.cli", "rlkit.demo", "rlkit.parallel.check", "rlkit.backends.megatron.check",
+                     "rlkit.backends.deepspeed_check"}
 
 
 def defines_public_objects(mod) -> bool:

@@ -201,6 +201,11 @@ class DeepSpeedModel:
 
     A collective: every rank of the world constructs it, and the actor, reference and critic of a rank are
     separate instances.
+
+    >>> # under torchrun --nproc-per-node 2 (rlkit.parallel.dist.init_distributed() first):
+    >>> dm = DeepSpeedModel(tiny_lm("qwen2"), ParallelPlan(dp=2), zero_stage=2, lr=1e-3)   # doctest: +SKIP
+    >>> mine = dm.shard_batch(batch)                                                      # doctest: +SKIP
+    >>> dm.train_step(mine, lambda out, mb: -(out["logprobs"] * mb["response_mask"]).mean())  # doctest: +SKIP
     """
 
     def __init__(self, model: Any, plan: ParallelPlan, *, zero_stage: int, head: str = "lm", lr: float = 1e-5,

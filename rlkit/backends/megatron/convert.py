@@ -35,7 +35,11 @@ Getter = Callable[[str], torch.Tensor]
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
-    """The vocabulary rounded up to a multiple of ``tp`` (VocabParallelEmbedding splits it evenly)."""
+    """The vocabulary rounded up to a multiple of ``tp`` (VocabParallelEmbedding splits it evenly).
+
+    >>> padded_vocab(49152, 3), padded_vocab(151665, 2)
+    (49152, 151666)
+    """
     return int(math.ceil(vocab / tp) * tp)
 
 

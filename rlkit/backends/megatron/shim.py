@@ -29,7 +29,11 @@ _installed = False
 
 
 def needed() -> bool:
-    """Whether this process needs the shim (no usable CUDA)."""
+    """Whether this process needs the shim (no usable CUDA).
+
+    >>> needed() == (not torch.cuda.is_available())
+    True
+    """
     return not torch.cuda.is_available()
 
 
