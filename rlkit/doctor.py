@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 
 REQUIRED = ("torch", "transformers", "ray", "accelerate", "pandas", "ipywidgets", "matplotlib", "tqdm")
@@ -25,13 +26,16 @@ class Check:
 
 def _version(module: str) -> Check:
     required = module in REQUIRED
+    name = module.split(".")[0]  # "megatron" for megatron.core
     try:
-        mod = importlib.import_module(module)
+        with warnings.catch_warnings():  # a library's import-time advice (no Apex, ...) is not a finding
+            warnings.simplefilter("ignore")
+            mod = importlib.import_module(module)
     except Exception as e:  # a broken install raises more than ImportError
-        detail = "not installed" if isinstance(e, ModuleNotFoundError) and e.name in (module, module.split(".")[0]) else (
+        detail = "not installed" if isinstance(e, ModuleNotFoundError) and e.name in (module, name) else (
             f"import failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-        return Check(module, False, detail, required)
-    return Check(module, True, getattr(mod, "__version__", "unknown"), required)
+        return Check(name, False, detail, required)
+    return Check(name, True, getattr(mod, "__version__", "unknown"), required)
 
 
 def _devices() -> list[Check]:
