@@ -62,6 +62,20 @@ from rlkit.parallel.stage import (
 from rlkit.plan.topology import ParallelPlan
 
 TAG = "rlkit"  # the DeepSpeed checkpoint tag save() writes and load() reads (no "latest" lookup)
+_ds_world: list[Any] = [None]  # the torch.distributed world DeepSpeed's comm and groups were set up in
+
+
+def _forget_world() -> None:
+    """Drop what DeepSpeed keeps of a destroyed world (its comm backend, its cached world and DP groups), so a
+    later model in this process sets them up in the current world."""
+    import deepspeed.comm.comm as ds_comm
+    from deepspeed.utils import groups
+
+    ds_comm.cdb = None
+    groups._WORLD_GROUP = groups._DATA_PARALLEL_GROUP = groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+    groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP = {}, {}
+    groups._EXPERT_PARALLEL_GROUP_RANKS, groups._EXPERT_DATA_PARALLEL_GROUP_RANKS = {}, {}
+    groups.mesh_device = None
 
 
 def import_deepspeed():
@@ -79,6 +93,10 @@ def import_deepspeed():
     if not dist.is_initialized():
         raise PlanError("DeepSpeedModel runs inside an initialized torch.distributed world "
                         "(rlkit.parallel.dist.init_distributed)")
+    world = dist.distributed_c10d._get_default_group()
+    if _ds_world[0] is not None and _ds_world[0] is not world:
+        _forget_world()  # DeepSpeed cached the groups of a world destroyed since (a Trainer closed in this process)
+    _ds_world[0] = world
     with contextlib.redirect_stdout(io.StringIO()):  # its JIT op build prints "... built successfully"
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group
     return deepspeed

@@ -48,6 +48,8 @@ from rlkit.parallel.model import (
 from rlkit.parallel.stage import causal_padding_mask, position_ids_from_mask, token_logprobs
 from rlkit.plan.topology import ParallelPlan
 
+_state_world: list[Any] = [None]  # the torch.distributed world Megatron's parallel state was built in
+
 
 def init_parallel_state(plan: ParallelPlan, seed: int = 0) -> None:
     """Megatron's process groups for ``plan`` in this process, once: a second model of the same layout
@@ -61,6 +63,12 @@ def init_parallel_state(plan: ParallelPlan, seed: int = 0) -> None:
     if dist.get_world_size() != plan.world_size:
         raise PlanError(f"plan {plan.describe()} needs {plan.world_size} ranks; this world has "
                         f"{dist.get_world_size()}")
+    world = dist.distributed_c10d._get_default_group()
+    if ps.model_parallel_is_initialized() and _state_world[0] is not world:
+        # groups of a world that was destroyed since (a Trainer closed in this process, e.g. a notebook cell run
+        # again): Megatron's state is stale, build it anew in this world
+        ps.destroy_model_parallel()
+    _state_world[0] = world
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                 ps.get_data_parallel_world_size())
