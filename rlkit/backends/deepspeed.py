@@ -46,8 +46,10 @@ from rlkit.parallel.model import (
     PRECISIONS,
     LossFn,
     WeightFn,
+    clip_grads,
     dp_slice,
     load_hf,
+    loss_scales,
     micro_batches,
     restore_rng_state,
     rng_state,
@@ -455,11 +457,7 @@ class DeepSpeedModel:
         parts = micro_batches(batch, self.plan.n_micro_batches)
         m = len(parts)
         weights = [1.0] * m if weight_fn is None else [float(weight_fn(mb)) for mb in parts]
-        total_weight = torch.tensor(sum(weights), dtype=torch.float64, device=self.device)
-        if self.dp_size > 1:
-            dist.all_reduce(total_weight, group=self.dp_group)
-        tw = total_weight.item()
-        scales = [w * self.dp_size / tw if tw > 0 else 0.0 for w in weights]
+        scales = loss_scales(weights, self.dp_size, self.dp_group, self.device)
         total = torch.zeros((), device=self.device)
         if self.plan.pp == 1:
             for j, mb in enumerate(parts):
@@ -489,11 +487,8 @@ class DeepSpeedModel:
         """Clip (DeepSpeed's ``gradient_clipping``; ZeRO-0 under PP: here, see the constructor) and step AdamW; returns the pre-clip global grad norm
         (DeepSpeed's ``get_global_grad_norm()``; ZeRO-0, whose clipping keeps no norm: measured here first)."""
         own = self.grad_norm() if self.zero_stage == 0 else None
-        if self._own_clip and self.max_grad_norm is not None and own > self.max_grad_norm:
-            coef = self.max_grad_norm / (own + 1e-6)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        if self._own_clip:
+            clip_grads(self.params, own, self.max_grad_norm)
         if self.plan.pp == 1:
             self.engine.step()
         else:

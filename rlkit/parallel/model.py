@@ -382,11 +382,7 @@ class ParallelModel:
         m = len(parts)
         weights = [1.0] * m if weight_fn is None else [float(weight_fn(mb)) if _batch_size(mb) else 0.0
                                                      for mb in parts]
-        total_weight = torch.tensor(sum(weights), dtype=torch.float64, device=self.device)
-        if self.dp_size > 1:  # every rank of a DP group holds the same micro-batches: one sum over the groups
-            dist.all_reduce(total_weight, group=self.dp_group)
-        # FSDP averages gradients over the DP ranks: the dp_size here undoes it, so the objective is a sum
-        scales = [w * self.dp_size / total_weight.item() if total_weight.item() > 0 else 0.0 for w in weights]
+        scales = loss_scales(weights, self.dp_size, self.dp_group, self.device)
         total = torch.zeros((), device=self.device)
         if self.plan.pp == 1:
             st = self.stages[0]
@@ -459,11 +455,7 @@ class ParallelModel:
     def optimizer_step(self) -> float:
         """Clip (global grad norm over all dims) and step AdamW; returns the pre-clip grad norm."""
         norm = self.grad_norm()
-        if self.max_grad_norm is not None and norm > self.max_grad_norm:
-            coef = self.max_grad_norm / (norm + 1e-6)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        clip_grads(self.params, norm, self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -907,6 +899,31 @@ def _first_failure(e: CheckpointException) -> str:
     for rank, (err, _trace) in e.failures.items():
         return f"rank {rank}: {type(err).__name__}: {_one_line(err)}"
     return "no failure recorded"
+
+
+def loss_scales(weights: list[float], dp_size: int, dp_group: Any, device: torch.device) -> list[float]:
+    """Each micro-batch's factor in the step's objective ``sum(w * loss) / sum(w)`` over the micro-batches of every
+    DP rank, times ``dp_size``: every backend averages gradients over DP, and the factor undoes it. A collective
+    over ``dp_group`` when ``dp_size > 1``.
+
+    >>> loss_scales([1.0, 3.0], 1, None, torch.device("cpu"))
+    [0.25, 0.75]
+    """
+    total = torch.tensor(sum(weights), dtype=torch.float64, device=device)
+    if dp_size > 1:  # every rank of a DP group holds the same micro-batches: one sum over the groups
+        dist.all_reduce(total, group=dp_group)
+    tw = total.item()
+    return [w * dp_size / tw if tw > 0 else 0.0 for w in weights]
+
+
+def clip_grads(params: Iterable[torch.Tensor], norm: float, max_norm: float | None) -> None:
+    """Scale the gradients of ``params`` by ``max_norm / norm`` when their global ``norm`` exceeds it (None: off)."""
+    if max_norm is None or norm <= max_norm:
+        return
+    coef = max_norm / (norm + 1e-6)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef)
 
 
 def dp_slice(batch: dict[str, Any], dp_rank: int, dp_size: int) -> dict[str, Any]:

@@ -39,8 +39,10 @@ from rlkit.parallel.loading import CheckpointReader, can_load_sharded, empty_mod
 from rlkit.parallel.model import (
     LossFn,
     WeightFn,
+    clip_grads,
     dp_slice,
     load_hf,
+    loss_scales,
     micro_batches,
     restore_rng_state,
     rng_state,
@@ -355,12 +357,7 @@ class MegatronModel:
         parts = micro_batches(batch, self.plan.n_micro_batches)
         m = len(parts)
         weights = [1.0] * m if weight_fn is None else [float(weight_fn(mb)) for mb in parts]
-        total_weight = torch.tensor(sum(weights), dtype=torch.float64, device=self.device)
-        if self.dp_size > 1:
-            dist.all_reduce(total_weight, group=self.dp_group)
-        # DDP averages gradients over DP: the dp_size here undoes it, so the objective is the weighted sum
-        tw = total_weight.item()
-        scales = [w * self.dp_size / tw if tw > 0 else 0.0 for w in weights]
+        scales = loss_scales(weights, self.dp_size, self.dp_group, self.device)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         if self.plan.pp == 1:
             for j, mb in enumerate(parts):
@@ -409,11 +406,7 @@ class MegatronModel:
     def optimizer_step(self) -> float:
         """Clip (global grad norm) and step AdamW; returns the pre-clip grad norm."""
         norm = self.grad_norm()
-        if self.max_grad_norm is not None and norm > self.max_grad_norm:
-            coef = self.max_grad_norm / (norm + 1e-6)
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
+        clip_grads(self.params, norm, self.max_grad_norm)
         self.optimizer.step()
         self.zero_grad()
         self.step += 1
