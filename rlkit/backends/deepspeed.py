@@ -65,6 +65,30 @@ from rlkit.plan.topology import ParallelPlan
 
 TAG = "rlkit"  # the DeepSpeed checkpoint tag save() writes and load() reads (no "latest" lookup)
 _ds_world: list[Any] = [None]  # the torch.distributed world DeepSpeed's comm and groups were set up in
+# ZeRO-3's deepspeed.initialize replaces torch.nn.functional.linear process-wide (its memory-efficient linear) and
+# never puts it back. A one-rank plan trains in the user's own process (a notebook kernel), so the original is
+# kept while ZeRO-3 models are open and put back when the last of them closes.
+_zero3_open: set[int] = set()  # id() of each open ZeRO-3 DeepSpeedModel of this process
+_linear_before_zero3: list[Any] = [None]
+
+
+def _zero3_opening(key: int) -> None:
+    if not _zero3_open:
+        _linear_before_zero3[0] = F.linear
+    _zero3_open.add(key)
+
+
+def _zero3_closed(key: int) -> None:
+    """Put torch.nn.functional.linear back once no ZeRO-3 model of this process is open (it was DeepSpeed's)."""
+    if key not in _zero3_open:
+        return
+    _zero3_open.discard(key)
+    if not _zero3_open and _linear_before_zero3[0] is not None:
+        from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+        if torch.nn.functional.linear is zero3_linear_wrap:  # not a patch someone made since
+            torch.nn.functional.linear = _linear_before_zero3[0]
+        _linear_before_zero3[0] = None
 
 
 def _forget_world() -> None:
@@ -309,8 +333,15 @@ class DeepSpeedModel:
         # fused: one kernel over the flat partitions ZeRO 1-3 hand it (and every tensor of ZeRO-0)
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, fused=True) \
             if self.trains else None
-        self.engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=params if self.trains else None,
-                                                    optimizer=opt, config=config)
+        self._zero3 = config["zero_optimization"]["stage"] == 3
+        if self._zero3:
+            _zero3_opening(id(self))
+        try:
+            self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=opt, config=config,
+                                                        model_parameters=params if self.trains else None)
+        except BaseException:
+            self.close()
+            raise
         # The workers set param_groups[i]["lr"] on this optimizer: it is the one DeepSpeed steps (its ZeRO
         # optimizers keep the wrapped optimizer's param-group dicts, swapping in their flat partitions).
         self.optimizer = opt
@@ -326,6 +357,11 @@ class DeepSpeedModel:
                 raise PlanError(f"DeepSpeed placed rank {self.rank} at stage {grid.get_stage_id()}, data rank "
                                 f"{grid.get_data_parallel_rank()}; rlkit's plan at {self.coords}")
             self._owner = self._owners()
+
+    def close(self) -> None:
+        """Done with this model: the last ZeRO-3 model of the process to close puts back the
+        ``torch.nn.functional.linear`` that ZeRO-3 replaced. Idempotent; the model is not used after it."""
+        _zero3_closed(id(self))
 
     def _pipeline(self, deepspeed, hf: nn.Module, value_head: nn.Module | None) -> nn.Module:
         """The HF model as DeepSpeed pipeline layers, balanced by decoder layers over ``plan.pp`` stages."""

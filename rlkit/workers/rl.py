@@ -288,6 +288,10 @@ class RLWorker:
             self.engine.close()
         if self.hybrid is not None:
             self.hybrid.close()
+        for model in (getattr(self, n, None) for n in ("actor", "ref", "critic")):  # may hold process-wide state
+            close = getattr(model, "close", None)
+            if callable(close):
+                close()
 
     def _training_layout(self) -> None:
         """The actor's tensors in their training layout: a generation copy that ``sync_weights`` made and
