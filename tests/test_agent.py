@@ -1,7 +1,9 @@
 """Multi-turn episodes with tools and environments (rlkit.agent), end to end on tiny models.
 
-The tool-using model is ``rlkit.tasks.calc.tiny_tool_model()``: a tiny Qwen2 after a short SFT on calculator
-demonstrations (built once, cached), so its episodes really call the tool, read the result and answer.
+No test here depends on what a model happens to sample. The model is a random-init tiny Qwen2, and the turns
+that must call a tool are scripted (``Rollout(script=...)``): the real HF engine emits the call the test wrote,
+scores it with the model (its log-probs are the model's own), and samples the turns no rule covers. Tools,
+template glue, masks, log-probs and the update then run for real on turns the test chose.
 """
 
 from __future__ import annotations
@@ -17,21 +19,28 @@ import rlkit
 from rlkit.agent import ChatFormat, EnvStep, MultiTurn, as_tools, parse_tool_calls, run_tool_calls
 from rlkit.errors import TrainerError
 from rlkit.models import load, tiny_lm
-from rlkit.tasks.calc import TINY_TOOL_PROMPT, Calculator, calculator, tiny_tool_model
+from rlkit.tasks.calc import TINY_TOOL_PROMPT, Calculator, calculator, calculator_script, tool_call_text
 
 TASK = Calculator(digits=(2, 1))
 TOL = 1e-4  # fp32 engine log-probs against a training forward (as single-turn, tests/test_trainer.py)
+ASSISTANT = r"<\|im_start\|>assistant\n"  # the end of every context the engine is asked to continue
+CALL = calculator_script()  # turn 1 after the question: the calculator call; later turns are sampled
+ANSWER = calculator_script(answer=True)  # ... and after the tool's reply, the answer: the episode ends "stop"
+
+
+def _rollout(script=CALL, **kw) -> rlkit.Rollout:
+    return rlkit.Rollout(**{**dict(engine="hf", n=2, max_new_tokens=96, script=script), **kw})
 
 
 @pytest.fixture(scope="module")
 def tool_model() -> str:
-    return tiny_tool_model()
+    return tiny_lm("qwen2", size="small", max_position_embeddings=1024)
 
 
 def _trainer(path, tmp_path, name, tools=(calculator,), **kw):
     opts = dict(model=path, dataset=TASK, tools=list(tools), algorithm="grpo",
                 multi_turn=MultiTurn(max_turns=3, max_tokens=240, tool_prompt=TINY_TOOL_PROMPT, tool_timeout_s=2.0),
-                rollout=rlkit.Rollout(engine="hf", n=2, max_new_tokens=96), prompts_per_step=4, lr=1e-3,
+                rollout=_rollout(), prompts_per_step=4, lr=1e-3,
                 kl_coef=0.01, entropy_coef=0.01, run_dir=str(tmp_path / name), seed=3)
     return rlkit.Trainer(**{**opts, **kw})
 
@@ -161,11 +170,14 @@ def test_episodes_are_token_in_token_out_masked_and_score_like_a_forward(tool_mo
         batch = tr.generate()
         gen, P = batch.gen, tr.layout.prompt_len
         eps = gen["episode"]
-        assert sum(e["tool_calls"] for e in eps) >= len(eps) // 2, eps  # the warm-started model calls the tool
-        assert any(e["turns"] >= 2 for e in eps), eps
+        assert all(e["tool_calls"] == 1 and e["turns"] >= 2 for e in eps), eps  # turn 1 is the scripted call
+        assert set(gen["finish_reason"]) <= {"stop", "length", "max_tokens"}, gen["finish_reason"]
         fmt = tr.agent.format(tr.tokenizer)
         tok = tr.tokenizer
         for i, conv in enumerate(gen["completion"]):
+            row = batch.prompts[gen["uid"][i]]
+            assert conv[0]["content"] == tool_call_text("calculator", {"expression": f"{row['a']} * {row['b']}"})
+            assert conv[1] == {"role": "tool", "name": "calculator", "content": str(row["a"] * row["b"])}
             ids = gen["input_ids"][i, P:][gen["response_mask"][i].bool()].tolist()
             keep = gen["loss_mask"][i][gen["response_mask"][i].bool()].bool().tolist()
             # runs of sampled (1) and not sampled (0) tokens, in order
@@ -250,7 +262,7 @@ def test_tool_tokens_carry_no_gradient_whatever_the_tool_said(tool_model, tmp_pa
 
 
 def test_a_failing_or_hanging_tool_is_counted_and_the_run_goes_on(tool_model, tmp_path):
-    def calculator(expression: str) -> str:  # the same name the model learned to call, but broken
+    def calculator(expression: str) -> str:  # the same name the script calls, but broken
         """Evaluate an arithmetic expression.
 
         Args:
@@ -260,17 +272,20 @@ def test_a_failing_or_hanging_tool_is_counted_and_the_run_goes_on(tool_model, tm
             time.sleep(5)  # past the 2 s timeout
         raise RuntimeError("the calculator is broken")
 
-    tr = _trainer(tool_model, tmp_path, "broken", tools=[calculator])
+    tr = _trainer(tool_model, tmp_path, "broken", tools=[calculator], rollout=_rollout(ANSWER))
     try:
         rows = tr.fit(steps=2, view="none")
-        calls = rows["episode/tool_calls"].sum()
-        errors = rows[[c for c in rows.columns if c.startswith("episode/errors/")]].sum(axis=1).sum()
-        assert calls > 0 and errors == pytest.approx(rows["episode/tool_errors"].sum())
-        assert rows["episode/tool_errors"].sum() == pytest.approx(calls), rows.filter(like="episode/")
-        assert (rows.get("episode/errors/raised", 0) + rows.get("episode/errors/timeout", 0)).sum() > 0
+        questions = [r for step in (0, 1) for r in tr._prompts_of(step)]
+        hang = sum("1" in f"{r['a']} * {r['b']}" for r in questions) * tr.rollout.n  # the inputs decide each kind
+        assert 0 < hang < len(questions) * tr.rollout.n, "the rows should give both kinds of failure"
+        n = tr.rollout.n * tr.config.prompts_per_step
+        assert rows["episode/tool_calls"].tolist() == [1.0, 1.0]  # every episode called once, per the script
+        assert rows["episode/tool_errors"].tolist() == [1.0, 1.0]  # ... and every call failed
+        assert rows["episode/errors/timeout"].sum() * n == pytest.approx(hang)
+        assert rows["episode/errors/raised"].sum() * n == pytest.approx(2 * n - hang)
         assert rows["actor/loss"].notna().all()
         s = tr.samples(last=1)
-        assert s["completion"].str.contains("Error: calculator").any()
+        assert s["completion"].str.contains("Error: calculator raised RuntimeError: the calculator is broken").any()
     finally:
         tr.close()
 
@@ -279,20 +294,30 @@ def test_bounded_episodes_end_and_are_marked_truncated(tool_model, tmp_path):
     tr = _trainer(tool_model, tmp_path, "bounds", multi_turn=MultiTurn(max_turns=1, tool_prompt=TINY_TOOL_PROMPT))
     try:
         gen = tr.generate().gen
-        called = [e["tool_calls"] > 0 for e in gen["episode"]]
-        assert any(called)
-        for c, why, e in zip(called, gen["finish_reason"], gen["episode"]):
-            assert e["turns"] == 1 and why == ("max_turns" if c else why)
+        # every episode calls the tool in its one allowed turn: it ends there, and the call is not run
+        assert gen["finish_reason"] == ["max_turns"] * len(gen["episode"])
+        assert all(e["turns"] == 1 and e["tool_calls"] == 1 for e in gen["episode"]), gen["episode"]
+        assert all(len(c) == 1 and c[0]["role"] == "assistant" for c in gen["completion"])
     finally:
         tr.close()
-    # a budget too small for the tool's reply: the episode ends before it, marked truncated
-    tr = _trainer(tool_model, tmp_path, "short", multi_turn=MultiTurn(max_turns=3, max_tokens=100,
-                                                                        tool_prompt=TINY_TOOL_PROMPT))
+    # a budget that holds the call and the tool's reply but not the answer: the episode ends, marked truncated
+    tr = _trainer(tool_model, tmp_path, "full", rollout=_rollout(ANSWER))
+    try:
+        full = tr.generate().gen
+    finally:
+        tr.close()
+    assert full["finish_reason"] == ["stop"] * len(full["episode"]), full["finish_reason"]
+    lengths = full["response_mask"].sum(1)
+    answer = [len(tr.tokenizer.encode(c[-1]["content"], add_special_tokens=False)) + 1 for c in full["completion"]]
+    budget = int(min(lengths.tolist())) - 1
+    assert budget > max(lengths.tolist()) - min(answer)  # the answer never fits, the call and reply always do
+    tr = _trainer(tool_model, tmp_path, "short", rollout=_rollout(ANSWER),
+                  multi_turn=MultiTurn(max_turns=3, max_tokens=budget, tool_prompt=TINY_TOOL_PROMPT))
     try:
         gen = tr.generate().gen
-        assert gen["response_mask"].sum(1).max() <= 100
-        truncated = [e["truncated"] for e in gen["episode"]]
-        assert any(truncated) and all((w == "max_tokens") == t for w, t in zip(gen["finish_reason"], truncated))
+        assert gen["response_mask"].sum(1).max() <= budget
+        assert gen["finish_reason"] == ["max_tokens"] * len(gen["episode"])
+        assert all(e["truncated"] and e["tool_calls"] == 1 for e in gen["episode"]), gen["episode"]
     finally:
         tr.close()
 
@@ -313,21 +338,22 @@ class Countdown:
 def test_an_environment_steps_rewards_and_its_messages_are_masked(tmp_path):
     path = tiny_lm("qwen2", size="test", max_position_embeddings=1024)
     rows = [{"prompt": "unused", "start": s} for s in (2, 3, 2, 3)]
+    # every assistant turn is a short scripted reply, so each episode runs until the environment ends it
     tr = rlkit.Trainer(model=path, dataset=rows, environment=Countdown, max_turns=4, algorithm="grpo",
-                       rollout=rlkit.Rollout(engine="hf", n=2, max_new_tokens=6), prompts_per_step=4, lr=1e-3,
-                       run_dir=str(tmp_path / "env"))
+                       rollout=_rollout(((ASSISTANT, "ok<|im_end|>"),), max_new_tokens=6), prompts_per_step=4,
+                       lr=1e-3, run_dir=str(tmp_path / "env"))
     try:
         assert "count down from" in tr.rows[0]["prompt"] and "unused" not in tr.rows[0]["prompt"]
         batch = tr.generate()
         gen = batch.gen
         starts = gen["columns"]["start"]
-        for e, why, start in zip(gen["episode"], gen["finish_reason"], starts):
-            if why == "done":  # the environment ended it after `start` turns, 0.25 each
-                assert e["turns"] == start and e["env_reward"] == pytest.approx(0.25 * start)
-        assert batch.rewards.tolist() == [e["env_reward"] or 0.0 for e in gen["episode"]]
+        assert gen["finish_reason"] == ["done"] * len(starts)  # the environment ended each, after `start` turns
+        for e, start, conv in zip(gen["episode"], starts, gen["completion"]):
+            assert e["turns"] == start and e["env_reward"] == pytest.approx(0.25 * start)
+            assert [m["content"] for m in conv if m["role"] == "user"] == [str(k) for k in range(start - 1, -1, -1)]
+        assert batch.rewards.tolist() == [0.25 * s for s in starts]
         glue = (gen["response_mask"] - gen["loss_mask"]).bool()
-        user_turns = sum(sum(m["role"] == "user" for m in c) for c in gen["completion"])
-        assert glue.any() and user_turns > 0
+        assert (glue.sum(1) > 0).all()
         row = tr.update(tr.estimate(batch))
         assert row["reward/mean"] == pytest.approx(batch.rewards.mean().item())
     finally:
@@ -369,15 +395,14 @@ def test_dp2_on_ray_the_generation_layout_and_split_placement_match_the_one_rank
     import copy
 
     layouts = {"dp2": dict(plan=rlkit.ParallelPlan(dp=2), cluster=ray_cluster),
-               "hybrid": dict(plan=rlkit.ParallelPlan(tp=2), cluster=ray_cluster,
-                              rollout=rlkit.Rollout(engine="hf", n=2, max_new_tokens=96, tp=2)),
+               "hybrid": dict(plan=rlkit.ParallelPlan(tp=2), cluster=ray_cluster, rollout=_rollout(tp=2)),
                "split": dict(placement="split", cluster=ray_cluster)}
     for name, kw in layouts.items():
         tr = _trainer(tool_model, tmp_path, name, kl_coef=0.0, entropy_coef=0.0, **kw)
         try:
             batch = tr.generate()
             want = _expected(tr, dp=tr.plan.dp)
-            assert sum(e["tool_calls"] for e in want["episode"]) > 0
+            assert all(e["tool_calls"] == 1 for e in want["episode"])
             _same_episodes(batch.gen, want, name)
             same = copy.deepcopy(batch)
             row = tr.update(tr.estimate(batch))

@@ -33,6 +33,38 @@ class PromptTooLongError(RolloutError):
         super().__init__(message)
 
 
+def check_script(script: Any) -> None:
+    r"""``Rollout.script``: a tuple of ``(pattern, response)`` rules of text, each pattern a regular expression.
+
+    A rule applies to a sample when its pattern matches the end of the sample's context: the prompt and the
+    turns so far, decoded with their special tokens (``...What is 12 * 3?<|im_end|>\n<|im_start|>assistant\n``).
+    The first rule that applies gives the response, with ``\1`` or ``\g<name>`` filled in from the match
+    (``re.Match.expand``). The HF engine then emits the response's tokens instead of drawing them, and
+    samples on after them unless they end the turn. The model still scores every token, so the recorded
+    log-probs are its own, as for drawn tokens, and whatever the scripted tokens meet downstream (tools,
+    template glue, masks, the update) runs for real: a way to check an agent's plumbing on turns you chose,
+    whatever a model would sample.
+
+    >>> check_script(((r"What is (\d+)\?<\|im_end\|>\n<\|im_start\|>assistant\n", r"It is \1."),))
+    >>> check_script((("(", "x"),))
+    Traceback (most recent call last):
+    ...
+    rlkit.rollout.config.RolloutError: script rule 0: pattern '(' is not a regular expression (missing ), unterminated subpattern at position 0)
+    """
+    import re
+
+    if not isinstance(script, tuple):
+        raise RolloutError(f"script={script!r} must be a tuple of (pattern, response) rules, e.g. "
+                           f"script=((r'What is (\\d+)\\?', r'It is \\1.'),)")
+    for i, rule in enumerate(script):
+        if not (isinstance(rule, tuple) and len(rule) == 2 and all(isinstance(x, str) for x in rule)):
+            raise RolloutError(f"script rule {i}: {rule!r} must be a (pattern, response) pair of strings")
+        try:
+            re.compile(rule[0])
+        except re.error as e:
+            raise RolloutError(f"script rule {i}: pattern {rule[0]!r} is not a regular expression ({e})") from None
+
+
 @dataclass(frozen=True)
 class Rollout:
     """How to sample responses: engine, sampling parameters, prompt limits and engine options.
@@ -77,6 +109,7 @@ class Rollout:
     max_model_len: int | None = None     # vLLM: context it reserves KV for (None: prompt + new tokens)
     enforce_eager: bool = True           # vLLM: no CUDA graphs / compile (fast start, what tests want)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed through to vllm.LLM(...)
+    script: tuple[tuple[str, str], ...] = ()  # HF: scripted turns, (pattern, response) rules (below)
 
     def __post_init__(self):
         # stop lists arrive as lists from users; keep them hashable tuples
@@ -88,6 +121,8 @@ class Rollout:
             raise RolloutError(f"stop_token_ids={list(ids)!r} must be token ids (integers >= 0), e.g. the id "
                                f"of <|im_end|> from tokenizer.convert_tokens_to_ids")
         object.__setattr__(self, "stop_token_ids", ids)
+        if isinstance(self.script, (list, tuple)):  # rules arrive as lists from JSON (trainer.json)
+            object.__setattr__(self, "script", tuple(tuple(r) if isinstance(r, list) else r for r in self.script))
         self.check()
 
     def check(self) -> None:
@@ -119,6 +154,10 @@ class Rollout:
         if not isinstance(self.engine_kwargs, dict) or not all(isinstance(k, str) for k in self.engine_kwargs):
             raise RolloutError(f"engine_kwargs={self.engine_kwargs!r} must be a dict of vllm.LLM keyword "
                                f"arguments, e.g. {{'enable_prefix_caching': True}}")
+        check_script(self.script)
+        if self.script and self.engine == "vllm":
+            raise RolloutError("script= runs on the HF engine (it picks the scripted tokens inside rlkit's decode "
+                               "loop); use engine='hf'")
 
     def with_overrides(self, **overrides: Any) -> Rollout:
         """A copy with per-call sampling overrides (only ``SAMPLING_FIELDS``), checked again."""

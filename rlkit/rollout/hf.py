@@ -121,6 +121,51 @@ class _SeededSampling(LogitsProcessor):
         return self.scores(scores)  # generate (greedy) takes the argmax: the draw
 
 
+class _Scripted(LogitsProcessor):
+    """``Rollout.script`` in the decode loop: rows with a scripted response take its tokens, one a step, then
+    draw as ``base`` draws (``_SeededSampling``, or the argmax with ``None``). Log-probs are untouched: they
+    come from the raw logits of whichever token was taken."""
+
+    def __init__(self, forced: list[list[int]], base: _SeededSampling | None):
+        width = max(map(len, forced), default=0)
+        self.forced = torch.full((len(forced), width), -1, dtype=torch.long)
+        for i, f in enumerate(forced):
+            self.forced[i, :len(f)] = torch.tensor(f, dtype=torch.long)
+        self.base, self.step = base, 0
+
+    def _now(self, device: torch.device) -> torch.Tensor:
+        t, self.step = self.step, self.step + 1
+        return self.forced[:, t].to(device) if t < self.forced.shape[1] else None
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        drawn = self.base.pick(logits) if self.base is not None else logits.argmax(-1)
+        now = self._now(logits.device)
+        return drawn if now is None else torch.where(now >= 0, now, drawn)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        x = self.base(input_ids, scores) if self.base is not None else scores
+        now = self._now(scores.device)
+        if now is not None and bool((now >= 0).any()):
+            rows = (now >= 0).nonzero()[:, 0]
+            x = x.clone()
+            x[rows] = float("-inf")
+            x[rows, now[rows]] = 0.0
+        return x
+
+
+def scripted_tokens(script: tuple[tuple[str, str], ...], tokenizer, contexts: list[list[int]]) -> list[list[int]]:
+    """The scripted response's tokens for each context (``[]`` where no rule applies; see ``check_script``)."""
+    import re
+
+    rules = [re.compile(f"(?:{pattern})\\Z", re.S) for pattern, _ in script]
+    out = []
+    for ids in contexts:
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        hit = next(((m, response) for rule, (_, response) in zip(rules, script) if (m := rule.search(text))), None)
+        out.append(tokenizer.encode(hit[0].expand(hit[1]), add_special_tokens=False) if hit else [])
+    return out
+
+
 @contextlib.contextmanager
 def eval_mode(model: torch.nn.Module):
     """Run ``model`` in eval mode and give every module back the train/eval flag it had (a model that
@@ -207,10 +252,14 @@ class HFEngine(RolloutEngine):
         devices = [self.device] if self.device.type == "cuda" else []
         # sample j of prompt i draws from its own stream: the same tokens however prompts are batched
         row_seeds = [(seed * 1_000_003 + j) % 2**63 for seed in seeds for j in range(cfg.n)]
+        forced = [f for f in scripted_tokens(cfg.script, self.tokenizer, prompts) for _ in range(cfg.n)] \
+            if cfg.script else None
         with torch.random.fork_rng(devices=devices):  # nothing here moves the caller's RNG
             for start in range(0, len(rows), chunk):
                 ids, mask = left_pad(rows[start:start + chunk], self.pad_token_id)
                 sampler = _SeededSampling(row_seeds[start:start + chunk], cfg) if cfg.temperature > 0 else None
+                if forced is not None:
+                    sampler = _Scripted(forced[start:start + chunk], sampler)
                 new, lp = self._decode(ids, mask, cfg, sampler, temp)
                 for row, row_lp in zip(new.tolist(), lp.tolist()):
                     end, reason = len(row), "length"
@@ -225,7 +274,8 @@ class HFEngine(RolloutEngine):
                     reasons.append(reason)
         return responses, logprobs, reasons
 
-    def _decode(self, ids: torch.Tensor, mask: torch.Tensor, cfg: Rollout, sampler: _SeededSampling | None,
+    def _decode(self, ids: torch.Tensor, mask: torch.Tensor, cfg: Rollout,
+                sampler: _SeededSampling | _Scripted | None,
                 temp: float) -> tuple[torch.Tensor, torch.Tensor]:
         """New tokens (rows, T) and their log-probs at ``temp`` for one left-padded chunk: the lean loop
         when it can stand in for ``generate`` on this model (``decode.unsupported``), else ``generate``."""

@@ -165,6 +165,9 @@ class VLLMEngine(RolloutEngine):
         return [SamplingParams(seed=s, **common) for s in seeds]
 
     def _generate_ids(self, prompts, cfg, seeds):
+        if cfg.script:
+            raise RolloutError("Rollout(script=...) runs on the HF engine (it picks the scripted tokens inside "
+                               "rlkit's decode loop); use engine='hf'")
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
                                  self._sampling_params(cfg, seeds), use_tqdm=False)
         responses, logprobs, reasons = [], [], []

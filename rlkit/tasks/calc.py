@@ -143,6 +143,28 @@ def tiny_tool_model(steps: int = 200, seed: int = 0, progress: bool = False) -> 
     return sft_warmstart(base, demos, steps=steps, batch_size=16, lr=3e-3, seed=seed, progress=progress)
 
 
+def calculator_script(answer: bool = False, b: str = r"\d+") -> tuple[tuple[str, str], ...]:
+    r"""``Rollout(script=...)`` rules that play a tool-using model on ``Calculator``'s questions, for a ChatML
+    template (rlkit's tiny models, Qwen, SmolLM2): the first turn after "What is a * b?" calls the calculator
+    on ``a * b``; with ``answer=True`` the turn after the tool's reply answers "It is <reply>.". Only questions
+    whose ``b`` matches the pattern ``b`` are scripted (``r"\d*[02468]"``: even ones); other turns are sampled.
+    The model scores every scripted token, so an episode's masks, log-probs and update are real
+    (``rlkit.rollout.config.check_script``).
+
+    >>> import re
+    >>> pattern, call = calculator_script()[0]
+    >>> m = re.search(pattern, "<|im_start|>user\nWhat is 12 * 3?<|im_end|>\n<|im_start|>assistant\n")
+    >>> m.expand(call)
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 3"}}\n</tool_call><|im_end|>'
+    """
+    turn = r"<\|im_end\|>\n<\|im_start\|>assistant\n"
+    call = tool_call_text("calculator", {"expression": "EXPR"}).replace("EXPR", r"\1 * \2") + "<|im_end|>"
+    rules = ((rf"What is (\d+) \* ({b})\?{turn}", call),)
+    if answer:
+        rules += ((rf"<\|im_start\|>tool\n(-?[\d.]+){turn}", r"It is \1.<|im_end|>"),)
+    return rules
+
+
 def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
     """A tool call in the Hermes format the agent parses (``rlkit.agent.tools``).
 
@@ -152,4 +174,5 @@ def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
-__all__ = ["TINY_TOOL_PROMPT", "Calculator", "CalculatorDemos", "calculator", "tiny_tool_model", "tool_call_text"]
+__all__ = ["TINY_TOOL_PROMPT", "Calculator", "CalculatorDemos", "calculator", "calculator_script", "tiny_tool_model",
+           "tool_call_text"]
