@@ -260,41 +260,60 @@ def test_lora_adapters_reach_the_vllm_engine(tmp_path):
         tr.close()
 
 
-def test_multi_turn_episodes_with_tools_on_vllm(tmp_path):
+class Countdown:
+    """An environment: counts down from the row's start, one number per assistant turn, and ends at 0. Its
+    messages come back as template glue whatever the model wrote, so the episodes' shape is the test's."""
+
+    def reset(self, row):
+        self.left = int(row["start"])
+        return [{"role": "user", "content": f"count down from {self.left}"}]
+
+    def step(self, message):
+        from rlkit.agent import EnvStep
+
+        self.left -= 1
+        return EnvStep([{"role": "user", "content": str(self.left)}], done=self.left <= 0, reward=0.25)
+
+
+def test_multi_turn_episodes_on_vllm(tmp_path):
     """The vLLM engine runs the same multi-turn episodes (rlkit.agent): greedy, token for token the HF
-    engine's, tool calls and glue included; sampled, its log-probs of the sampled tokens equal a training
-    forward on the same ids; and a Trainer with engine="vllm" trains on them."""
+    engine's, environment glue included; sampled, its log-probs of the sampled tokens equal a training
+    forward on the same ids; and a Trainer with engine="vllm" trains on them. Every ordinary token ends a
+    turn (stop_token_ids), so each turn is one drawn token and each episode runs until the environment ends
+    it, whatever the model draws."""
     from _logprob_ref import forward_logprobs
 
     from rlkit.agent import Agent, MultiTurn, run_episodes
     from rlkit.rollout import VLLMEngine
-    from rlkit.tasks.calc import TINY_TOOL_PROMPT, Calculator, calculator, tiny_tool_model
 
-    path, task = tiny_tool_model(), Calculator(digits=(2, 1))
-    settings = MultiTurn(max_turns=3, max_tokens=240, tool_prompt=TINY_TOOL_PROMPT)
-    agent = Agent.of(tools=[calculator], settings=settings, max_new_tokens=96)
-    engine = VLLMEngine(path, n=2, max_new_tokens=96, dtype="float32", kv_cache_gb=1, seed=0)
+    path = tiny_lm(**VLLM_MODEL)
+    rows = [{"start": s} for s in (2, 3, 1, 3)]
+    settings = MultiTurn(max_turns=4, max_tokens=64)
+    agent = Agent.of(environment=Countdown, settings=settings, max_new_tokens=4)
+    opts = dict(n=2, max_new_tokens=4, stop_token_ids=tuple(range(4, 512)))
+    engine = VLLMEngine(path, dtype="float32", kv_cache_gb=1, seed=0, **opts)
     try:
         fmt = agent.format(engine.tokenizer)
-        prompts = [fmt.render_prompt(r["prompt"]) for r in task.dataset(n=4, seed=5)]
-        v = run_episodes(engine, agent, prompts, seed=0, temperature=0.0, n=1)
-        h = run_episodes(HFEngine(path, n=2, max_new_tokens=96), agent, prompts, seed=0, temperature=0.0, n=1)
-        assert sum(e["tool_calls"] for e in v.episodes) > 0, v.messages
+        prompts = [fmt.render_prompt(Countdown().reset(r)) for r in rows]
+        v = run_episodes(engine, agent, prompts, seed=0, rows=rows, temperature=0.0, n=1)
+        h = run_episodes(HFEngine(path, **opts), agent, prompts, seed=0, rows=rows, temperature=0.0, n=1)
+        assert v.finish_reason == ["done"] * len(rows) and [e["turns"] for e in v.episodes] == [2, 3, 1, 3]
         assert torch.equal(v.response_ids, h.response_ids) and torch.equal(v.loss_mask, h.loss_mask)
-        assert v.finish_reason == h.finish_reason
-        s = run_episodes(engine, agent, prompts, seed=1)
+        assert v.finish_reason == h.finish_reason and v.messages == h.messages
+        assert int((v.response_mask - v.loss_mask).sum()) > 0  # the environment's glue is in the responses
+        s = run_episodes(engine, agent, prompts, seed=1, rows=rows)
         model, _ = load(path)
         diff = max_masked_diff(s.response_logprobs, forward_logprobs(model, s, 1.0), s.loss_mask)
         print(f"multi-turn vLLM vs HF forward: max |dlogp| = {diff:.2e} over {int(s.loss_mask.sum())} sampled tokens")
-        assert diff < TOL
+        assert int(s.loss_mask.sum()) == 2 * (2 + 3 + 1 + 3) and diff < TOL
     finally:
         engine.close()
-    tr = rlkit.Trainer(model=path, dataset=task, tools=[calculator], multi_turn=settings, algorithm="grpo",
-                       rollout=rlkit.Rollout(engine="vllm", n=2, max_new_tokens=96, dtype="float32", kv_cache_gb=1),
-                       prompts_per_step=4, lr=1e-3, run_dir=str(tmp_path / "run"))
+    tr = rlkit.Trainer(model=path, dataset=[dict(r, prompt="unused") for r in rows], environment=Countdown,
+                       multi_turn=settings, algorithm="grpo", prompts_per_step=4, lr=1e-3, run_dir=str(tmp_path / "run"),
+                       rollout=rlkit.Rollout(engine="vllm", dtype="float32", kv_cache_gb=1, **opts))
     try:
-        rows = tr.fit(steps=2, view="none")
-        assert rows["episode/tool_calls"].gt(0).all() and rows["actor/loss"].notna().all()
+        rows_out = tr.fit(steps=2, view="none")
+        assert rows_out["episode/turns"].tolist() == [2.25, 2.25] and rows_out["actor/loss"].notna().all()
         gen = tr.generate().gen
         actor = tr.workers.old_logprobs({k: gen[k] for k in ("input_ids", "attention_mask", "response_mask")})
         assert max_masked_diff(actor, gen["rollout_logprobs"], gen["loss_mask"]) < TOL

@@ -17,7 +17,7 @@ DeepSpeed computes is that objective's gradient. Gradients are clipped by DeepSp
 ``torch.optim.AdamW`` handed to ``deepspeed.initialize`` (no JIT-built fused Adam).
 
 On first use DeepSpeed JIT-builds its ``deepspeed_shm_comm`` op (g++, ~45 s on CPU); ``TORCH_EXTENSIONS_DIR``
-defaults to ``~/.cache/rlkit/torch_extensions`` (unless set) so it is built once per machine.
+defaults to ``rlkit.models.cache_dir() / "torch_extensions"`` (unless set) so it is built once per machine.
 
 Two private parts of DeepSpeed's pipeline engine are used, so that ``forward_backward`` and
 ``optimizer_step`` stay separate calls as in ``ParallelModel``: the engine's ``_train_schedule`` is
@@ -112,7 +112,9 @@ def import_deepspeed():
     launcher did not set it."""
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "rlkit" / "torch_extensions"))
+    from rlkit.models.tiny import cache_dir
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions"))
     os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if torch.cuda.is_available() else 0))
     import deepspeed
 

@@ -9,7 +9,10 @@ checkpoint.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -40,6 +43,23 @@ ARCHS = ("llama", "qwen2")
 def cache_dir() -> Path:
     """Where built models live: ``$RLKIT_CACHE`` or ``~/.cache/rlkit``."""
     return Path(os.environ.get("RLKIT_CACHE") or Path.home() / ".cache" / "rlkit")
+
+
+@functools.lru_cache(maxsize=None)
+def build_stamp(*modules: str) -> str:
+    """A short hash of what a cached build depends on beyond its arguments: the source of the code that
+    builds it (this module and ``modules``) and the installed torch, transformers and tokenizers. Cache keys
+    include it, so a change to any of them builds a new folder instead of reusing one another code made.
+
+    >>> build_stamp() == build_stamp() and len(build_stamp("rlkit.tasks.sft")) == 8
+    True
+    """
+    h = hashlib.sha1()
+    for name in (__name__, *modules):
+        h.update(Path(importlib.util.find_spec(name).origin).read_bytes())
+    for dist in ("torch", "transformers", "tokenizers"):
+        h.update(f"{dist}=={importlib.metadata.version(dist)};".encode())
+    return h.hexdigest()[:8]
 
 
 def _corpus() -> list[str]:
@@ -103,8 +123,10 @@ def tiny_lm(arch: str = "qwen2", size: str = "test", seed: int = 0, *, vocab_siz
             path: str | os.PathLike | None = None, **overrides: Any) -> str:
     """Build (once) and save a tiny random-init causal LM with its tokenizer; return the folder.
 
-    The folder is keyed by the arguments, so the same call returns the same weights; building is
-    atomic (a temp folder renamed into place), so parallel ranks may call it at once.
+    The folder is keyed by the arguments and by ``build_stamp()`` (this code, the torch / transformers /
+    tokenizers versions), and the build is seeded and deterministic, so the same call gives the same weights
+    on any machine. Building is atomic (a temp folder renamed into place), so parallel ranks may call it at
+    once.
 
     >>> from transformers import AutoModelForCausalLM, AutoTokenizer
     >>> path = tiny_lm("llama", size="test", seed=0)
@@ -114,7 +136,7 @@ def tiny_lm(arch: str = "qwen2", size: str = "test", seed: int = 0, *, vocab_siz
     """
     cfg = tiny_config(arch, size, vocab_size, **overrides)
     key = json.dumps({"arch": arch, "size": size, "seed": seed, "vocab": vocab_size, "over": overrides,
-                      "v": 1}, sort_keys=True, default=str)
+                      "build": build_stamp()}, sort_keys=True, default=str)
     name = f"tiny-{arch}-{size}-s{seed}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
     out = Path(path) if path is not None else cache_dir() / "models" / name
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():

@@ -204,10 +204,11 @@ def tiny_reward_model(arch: str = "qwen2", seed: int = 0, *, size: str = "test",
     1
     """
     from rlkit.models import cache_dir, tiny_config
-    from rlkit.models.tiny import build_and_save
+    from rlkit.models.tiny import build_and_save, build_stamp
 
     cfg = tiny_config(arch, size, num_labels=1)
-    key = json.dumps({"arch": arch, "size": size, "seed": seed, "kind": "reward", "v": 1}, sort_keys=True)
+    key = json.dumps({"arch": arch, "size": size, "seed": seed, "kind": "reward", "build": build_stamp(__name__)},
+                     sort_keys=True)
     name = f"tiny-reward-{arch}-{size}-s{seed}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
     out = Path(path) if path is not None else cache_dir() / "models" / name
     if (out / "config.json").exists() and (out / "tokenizer.json").exists():

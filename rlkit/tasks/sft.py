@@ -95,7 +95,7 @@ def _train(model, examples, pad_id: int, steps: int, lr: float, batch_size: int,
 
 def sft_warmstart(model_path: str, task: Any, steps: int = 1000, lr: float = 3e-3, batch_size: int = 64,
                   seed: int = 0, out: str | os.PathLike | None = None, *, n: int | None = None,
-                  warmup: int | None = None, threads: int | None = None, progress: bool = True,
+                  warmup: int | None = None, threads: int | None = 1, progress: bool = True,
                   force: bool = False) -> str:
     """Fine-tune ``model_path`` on ``task``'s train rows with next-token loss; save; return the folder.
 
@@ -103,9 +103,12 @@ def sft_warmstart(model_path: str, task: Any, steps: int = 1000, lr: float = 3e-
     loss. AdamW with warmup and cosine decay, gradient clipping at 1.0, batches drawn in order from
     ``n`` rows (default ``steps * batch_size``, fresh rows every step). The model and tokenizer are
     ``save_pretrained`` to ``out``; ``out/sft_log.json`` holds the per-step losses and the seconds taken.
-    With ``out=None`` the folder goes to the rlkit cache, keyed by every argument, and a finished one
-    is reused (``force=True`` retrains). ``threads`` sets torch's intra-op threads for the run (then
-    restores them): on a CPU shared with other busy processes ``threads=1`` can be ~10x faster.
+    With ``out=None`` the folder goes to the rlkit cache, keyed by every argument and by the code and library
+    versions that build it (``rlkit.models.tiny.build_stamp``), and a finished one is reused (``force=True``
+    retrains). The run is deterministic: seeded, with torch's deterministic algorithms, and ``threads`` (1 by
+    default; then restored) fixes how reductions split, so the same call gives the same weights on another
+    machine. ``threads=None`` keeps the caller's thread count (faster on an idle multi-core machine, but the
+    weights then depend on it).
 
     Measured on this 2-core CPU with ``tiny_lm("qwen2", size="small")`` (greedy exact match on 200
     held-out problems, 0% before SFT):
@@ -140,8 +143,11 @@ def sft_warmstart(model_path: str, task: Any, steps: int = 1000, lr: float = 3e-
     model_path = str(model_path)
     n = steps * batch_size if n is None else n
     warmup = max(1, steps // 20) if warmup is None else warmup
+    from rlkit.models.tiny import build_stamp
+
     key = dict(model=os.path.abspath(model_path) if os.path.exists(model_path) else model_path,
-               task=repr(task), steps=steps, lr=lr, batch_size=batch_size, seed=seed, n=n, warmup=warmup)
+               task=repr(task), steps=steps, lr=lr, batch_size=batch_size, seed=seed, n=n, warmup=warmup,
+               threads=threads, build=build_stamp(__name__, type(task).__module__))
     out_dir = Path(out) if out is not None else _default_out(model_path, task, key)
     if out is None and not force and (out_dir / LOG_NAME).exists():
         return str(out_dir)
@@ -153,14 +159,16 @@ def sft_warmstart(model_path: str, task: Any, steps: int = 1000, lr: float = 3e-
     examples = _encode(tok, task, rows)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
-    threads_before = torch.get_num_threads()
+    threads_before, deterministic_before = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     if threads is not None:
         torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
     try:
         losses, seconds = _train(model, examples, pad_id, steps, lr, batch_size, seed, warmup,
                                  desc=f"sft {getattr(task, 'name', 'task')}", progress=progress)
     finally:
         torch.set_num_threads(threads_before)
+        torch.use_deterministic_algorithms(deterministic_before)
     model.eval()
 
     # Write to a temp folder and rename, so a half-written folder is never mistaken for a result.
