@@ -11,7 +11,6 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -189,14 +188,10 @@ def test_wandb(model, tmp_path):
 
 # ---- trackio --------------------------------------------------------------------------------------------
 def test_trackio(model, tmp_path):
-    fresh = "trackio" not in sys.modules
     run_dir = tmp_path / "run"
     rows, samples, config = _fit(model, run_dir, "trackio")
-    from trackio import utils
     from trackio.sqlite_storage import SQLiteStorage
 
-    if fresh:  # trackio fixes its folder on first import: then it is this run's
-        assert Path(utils.TRACKIO_DIR) == run_dir / "trackio" and (run_dir / "trackio" / "rlkit.db").exists()
     names = json.loads((run_dir / "trackers.json").read_text())["trackio"]["name"]
     logs = SQLiteStorage.get_logs("rlkit", names)
     metrics = [g for g in logs if "samples" not in g]
@@ -214,6 +209,34 @@ def test_trackio(model, tmp_path):
 
 
 # ---- resume: the same tracker runs go on ------------------------------------------------------------------
+def test_trackio_writes_into_the_first_runs_folder(model, tmp_path):
+    """trackio fixes its folder when a process first imports it: in a fresh process (a new kernel) that is the
+    first Trainer's run folder, and a second run folder in the same process gets a warning naming where trackio
+    writes instead. A process of its own, so no earlier test's import decides it."""
+    script = f"""
+import warnings
+import rlkit
+from pathlib import Path
+first, second = Path({str(tmp_path / "a")!r}), Path({str(tmp_path / "b")!r})
+for run_dir in (first, second):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tr = rlkit.Trainer(model={model!r}, dataset=rlkit.tasks.repeat, prompts_per_step=2, report_to="trackio",
+                           rollout=rlkit.Rollout(engine="hf", n=2, max_new_tokens=4), run_dir=str(run_dir))
+        try:
+            tr.fit(1, view="none")
+        finally:
+            tr.close()
+    said = [str(w.message) for w in caught if "trackio writes to" in str(w.message)]
+    print(run_dir.name, (run_dir / "trackio" / "rlkit.db").exists(), len(said), said[0].split(",")[0] if said else "")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln[:2] in ("a ", "b ")]  # trackio prints lines of its own
+    assert lines[0] == "a True 0 ", lines
+    assert lines[1] == f"b False 1 rlkit: trackio writes to {tmp_path / 'a' / 'trackio'}", lines
+
+
 def test_resume_continues_the_tracker_runs(model, tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     trainer = _trainer(model, run_dir, ["tensorboard", "mlflow", "wandb"])
