@@ -58,25 +58,34 @@ demo: $(STAMP)
 # Chromium for tests/test_browser.py (the Debian package; playwright only drives it, never `playwright install`).
 .PHONY: browser
 browser:
-	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) || echo "skip: chromium could not be installed; tests/test_browser.py will skip"
+	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) || echo "chromium could not be installed (apt-get needs root); tests/test_browser.py will fail under make test"
+
+# Under `make test` a missing piece that the setup installs is a failure, never a skip (tests/_require.py).
+REQUIRE := RLKIT_REQUIRE_BACKENDS=1 RLKIT_REQUIRE_BROWSER=1 RLKIT_REQUIRE_REAL_MODEL=1
+# The slowest tests, printed at the end of every run: where the suite's time goes.
+DURATIONS := --durations=30 --durations-min=5
 
 # What CI runs: lint, the default suite, then the vLLM engine and trainer tests in the vLLM venv.
 test: $(STAMP) $(VLLM_STAMP) browser
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(REQUIRE) $(BIN)/python -m pytest -q $(DURATIONS)
 	$(MAKE) --no-print-directory test-vllm
 
 test-vllm: $(VLLM_STAMP)
-	RLKIT_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm.py
+	RLKIT_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm.py $(DURATIONS)
 
-test-all: $(STAMP)
-	$(BIN)/python -m pytest -q -m ''
+# Everything make test runs, and the long variants (marked slow) too.
+test-all: $(STAMP) $(VLLM_STAMP) browser
+	$(BIN)/ruff check .
+	$(REQUIRE) $(BIN)/python -m pytest -q -m 'not vllm' $(DURATIONS)
+	$(MAKE) --no-print-directory test-vllm
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# The venvs, run folders, and the model cache rlkit uses (rlkit.models.cache_dir: $$RLKIT_CACHE or ~/.cache/rlkit).
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .rlkit_cache runs
+	rm -rf $(VENV) $(VLLM_VENV) runs "$${RLKIT_CACHE:-$$HOME/.cache/rlkit}"
 
 # Speed against TRL, side by side (bench/README.md): TRL 1.16 in its own venv (.venv-trl), then interleaved
 # rounds of both. Pass options with BENCH_ARGS, e.g. make bench-trl BENCH_ARGS="--rounds 5 --steps 30".

@@ -22,8 +22,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from _require import need_module
 
-pytest.importorskip("deepspeed")
+need_module("deepspeed", "RLKIT_REQUIRE_BACKENDS")
 
 from rlkit.models import tiny_lm  # noqa: E402
 from rlkit.parallel.launch import launch  # noqa: E402

@@ -22,8 +22,9 @@ import subprocess
 import sys
 
 import pytest
+from _require import need_module
 
-pytest.importorskip("megatron.core")
+need_module("megatron.core", "RLKIT_REQUIRE_BACKENDS")
 
 from rlkit import ParallelPlan  # noqa: E402
 from rlkit.backends import check_backend  # noqa: E402

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _require import need_module
 
 import rlkit
 
@@ -19,7 +20,7 @@ TORCH_LINEAR = torch.nn.functional.linear  # taken at collection, before any tes
 @pytest.mark.parametrize("backend", ["megatron", rlkit.Backend("deepspeed", zero_stage=3)], ids=["megatron", "deepspeed"])
 def test_save_load_resumes_exactly_and_a_second_trainer_gets_a_fresh_world(tmp_path, backend):
     name = backend if isinstance(backend, str) else backend.name
-    pytest.importorskip("megatron.core" if name == "megatron" else "deepspeed")
+    need_module("megatron.core" if name == "megatron" else "deepspeed", "RLKIT_REQUIRE_BACKENDS")
     kw = dict(rollout=rlkit.Rollout(engine="hf", n=4, max_new_tokens=8), prompts_per_step=4, lr=2e-3, seed=0,
               padding_free=False, backend=backend)
     first = rlkit.Trainer(model=rlkit.models.tiny_lm("qwen2", size="small"), dataset=rlkit.tasks.repeat,

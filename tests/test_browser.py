@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from _require import missing
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "01_parallel_plan.ipynb"
@@ -130,8 +131,8 @@ class Lab:
 def chromium() -> str:
     path = _chromium()
     if path is None:
-        pytest.skip("no chromium binary (/usr/bin/chromium or on PATH): run `make browser` "
-                    "(apt-get install chromium) to enable the browser test")
+        missing("the chromium binary (/usr/bin/chromium or on PATH)", "RLKIT_REQUIRE_BROWSER",
+                "run `make browser` (apt-get install chromium, as root) to enable the browser test")
     return path
 
 

@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 import pytest
+from _require import required
 
 from rlkit.hub import ModelRefError
 from rlkit.models import available, cache_dir, pretrained
@@ -26,6 +27,8 @@ NAME = "smollm2-135m-instruct"
 ENTRY = mod.REGISTRY[NAME]
 PARAMS = 134_515_008  # SmolLM2-135M with tied embeddings, each weight counted once
 HAVE_MODEL = all(importlib.util.find_spec(m) is not None for m in (ENTRY.package, "gguf"))
+if not HAVE_MODEL and required("RLKIT_REQUIRE_REAL_MODEL"):
+    raise RuntimeError(f"RLKIT_REQUIRE_REAL_MODEL=1 but {ENTRY.package} or gguf is missing: {ENTRY.install}")
 needs_model = pytest.mark.skipif(not HAVE_MODEL, reason=f"needs `{ENTRY.install}` (make setup installs it)")
 COLOURS = ("red", "blue", "green", "yellow", "orange", "purple", "violet", "pink", "black", "white", "brown",
            "gray", "grey")

@@ -45,7 +45,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RLKIT_CACHE") or Path.home() / ".cache" / "rlkit")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def build_stamp(*modules: str) -> str:
     """A short hash of what a cached build depends on beyond its arguments: the source of the code that
     builds it (this module and ``modules``) and the installed torch, transformers and tokenizers. Cache keys
