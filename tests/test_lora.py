@@ -125,7 +125,8 @@ def test_lora_update_raises_the_advantaged_samples(tmp_path):
     sample's log-probability over the update correlates with its advantage (measured 0.35-0.84 over 6 steps at
     lr 1e-2, r=16). A sign error or an update that misses the adapters gives ~0 or below. (Reward curves: on a
     random-init tiny model, adapters cannot move the frozen embedding and head the way a full fine-tune does,
-    so LoRA's learning curve is measured on SmolLM2-135M, in bench/bench_lora.py.)"""
+    so LoRA's learning curve on a task is measured on SmolLM2-135M: ``bench/bench_real_grpo.py --lora 16``;
+    the learning test below uses a reward the frozen head can follow.)"""
 
     def reward(prompts, completions, **kw):
         return [c.count("a") / max(1, len(c)) for c in completions]
@@ -143,6 +144,25 @@ def test_lora_update_raises_the_advantaged_samples(tmp_path):
             adv = adv[:, 0] if adv.dim() > 1 else adv
             corr = torch.corrcoef(torch.stack([adv, moved]))[0, 1].item()
             assert corr > 0.2, corr
+    finally:
+        tr.close()
+
+
+def test_lora_grpo_raises_a_reward(tmp_path):
+    """A learning claim, on one seed: 30 GRPO steps that train only LoRA adapters (r=16 on every projection)
+    raise a reward the frozen head can express, the share of characters from a-m in the completion. Over
+    the first and last 5 steps, measured at seeds 0, 1, 2 (2026-12-06): +0.035, +0.056, +0.023; asserted
+    +0.015 at seed 0."""
+
+    def first_half_letters(prompts, completions, **kw):
+        return [sum(ch in "abcdefghijklm" for ch in c) / max(1, len(c)) for c in completions]
+
+    tr = _trainer(tmp_path, rollout=rlkit.Rollout(engine="hf", n=8, max_new_tokens=12), kl_coef=0.0, lr=5e-2,
+                  lora=16, reward=first_half_letters)
+    try:
+        rewards = tr.fit(steps=30, view="none")["reward/mean"].tolist()
+        assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.015, rewards
+        assert tr.workers.adapter_weights()  # what trained were the adapters
     finally:
         tr.close()
 
