@@ -131,6 +131,7 @@ class Trainer:
         self.uses_reference = self.config.kl_coef > 0 or self.algo.needs_reference
         self.step = 0
         self._rows_log: list[dict[str, Any]] = []
+        self._timeline: list[dict[str, Any]] = []  # when each step's phases ran (Trainer.timeline)
         self._samples: list[dict[str, Any]] = []
         self.kl_ctl = self.config.kl_controller()
         self.run_dir = Path(self.config.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
@@ -333,8 +334,10 @@ class Trainer:
         if self.algo.needs_critic:
             with _timer(t, "update_critic"):
                 critic = w.update_critic(batch.tensors, settings)
+        started = time.time()
         with _timer(t, "update"):
             actor = w.update_actor(batch.tensors, settings)
+        self._record_timeline(batch, started, time.time())
         for key in [k for k in actor if k.startswith("actor/offpolicy/")]:  # the correction taken in the update
             batch.offpolicy[key.removeprefix("actor/")] = actor.pop(key)
         self.step += 1
@@ -463,6 +466,24 @@ class Trainer:
             self._trackers = Trackers.of(self.config.report_to, self.run_dir, step=self.step)
             self._trackers.log_config(self._state_config())
         return self._trackers
+
+    def _record_timeline(self, batch: StepBatch, update_start: float, update_end: float) -> None:
+        window = batch.gen.get("gen_window")
+        if window is not None and len(window):
+            self._timeline.append({"step": batch.step + 1, "phase": "generate", "start": float(window[:, 0].min()),
+                                   "end": float(window[:, 1].max())})
+        self._timeline.append({"step": batch.step + 1, "phase": "update", "start": update_start, "end": update_end})
+
+    @property
+    def timeline(self):
+        """When each step's generation ran on the rollout workers (the earliest start and the latest end over
+        its samples, as the workers recorded them) and when its actor update ran (the driver's call): a
+        DataFrame of ``step, phase, start, end`` in seconds since the epoch, for this trainer's steps.
+        With ``off_policy_steps=1`` the generation of step k + 1 starts before the update of step k ends.
+        """
+        import pandas as pd
+
+        return pd.DataFrame(self._timeline, columns=["step", "phase", "start", "end"])
 
     @property
     def metrics(self):

@@ -129,12 +129,20 @@ def _async_trainer(tmp_path, name, off_policy_steps=1, **kw):
 
 
 @pytest.mark.ray
+def _phases(trainer) -> dict:
+    """``{(phase, step): {"start", "end"}}`` from ``trainer.timeline``."""
+    return {(r.phase, r.step): {"start": r.start, "end": r.end} for r in trainer.timeline.itertuples()}
+
+
 def test_one_step_off_trains_every_batch_once_within_the_bound_and_resumes_exactly(tmp_path):
     sync = _async_trainer(tmp_path, "sync", off_policy_steps=0)
     try:
-        on_policy = sync.fit(steps=1, view="none")
+        on_policy = sync.fit(steps=2, view="none")
+        in_turn = _phases(sync)
     finally:
         sync.close()
+    # synchronous: step 2's generation starts after step 1's update ended (times the workers and driver recorded)
+    assert in_turn["generate", 2]["start"] > in_turn["update", 1]["end"], in_turn
     tr = _async_trainer(tmp_path, "async")
     try:
         first = tr.fit(steps=2, view="none")
@@ -159,6 +167,10 @@ def test_one_step_off_trains_every_batch_once_within_the_bound_and_resumes_exact
         for step in range(1, 5):
             trained = sorted(samples[samples.step == step]["prompt"])
             assert trained == sorted(r["prompt"] for r in tr._prompts_of(step - 1) for _ in range(4)), step
+        # the overlap, from the recorded times: step k + 1's generation began before step k's update ended
+        phases = _phases(tr)
+        for k in (1, 2, 3):
+            assert phases["generate", k + 1]["start"] < phases["update", k]["end"], (k, phases)
     finally:
         tr.close()
     again = Trainer.load(tmp_path / "ckpt", dataset=rlkit.tasks.repeat, run_dir=str(tmp_path / "resumed"))

@@ -33,6 +33,7 @@ The keys of a batch (one row per sample): ``input_ids``, ``attention_mask`` (P +
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,9 +145,13 @@ def generate_batch(engine: Any, layout: SequenceLayout, prompts: dict[str, Any],
     >>> from rlkit.rollout import HFEngine
     >>> engine = HFEngine(tiny_lm("qwen2", size="test"), n=2, max_new_tokens=4, ignore_eos=True)
     >>> b = generate_batch(engine, SequenceLayout(8, 4), {"prompt": ["ab"], "uid": [0], "row": [3]}, seed=0)
-    >>> b["row"], tuple(b["rollout_logprobs"].shape)
-    ([3, 3], (2, 4))
+    >>> b["row"], tuple(b["rollout_logprobs"].shape), tuple(b["gen_window"].shape)
+    ([3, 3], (2, 4), (2, 2))
+
+    Each sample's ``gen_window`` holds when this call ran on the worker: (start, end), seconds since the epoch
+    (float64), so a step's generation can be placed against the trainer's other phases (``Trainer.timeline``).
     """
+    start = time.time()
     if agent is not None:
         from rlkit.agent.episodes import run_episodes
 
@@ -154,7 +159,9 @@ def generate_batch(engine: Any, layout: SequenceLayout, prompts: dict[str, Any],
                            rows=prompts.get("env_row"), **overrides)
     else:
         out = engine.generate(list(prompts["prompt"]), seed=seed, first_index=first_index, **overrides)
-    return layout.pack(out, prompts, engine.pad_token_id)
+    batch = layout.pack(out, prompts, engine.pad_token_id)
+    batch["gen_window"] = torch.tensor([[start, time.time()]], dtype=torch.float64).expand(len(batch["uid"]), 2).clone()
+    return batch
 
 
 __all__ = ["SEED_STRIDE", "SequenceLayout", "generate_batch"]
