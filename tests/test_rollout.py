@@ -96,6 +96,37 @@ def test_hf_logprobs_equal_forward(model_tok, temperature, top_k):
         assert torch.equal(b.response_ids[0], b.response_ids[1])  # greedy: the n samples coincide
 
 
+@pytest.mark.parametrize("hf_decode,temperature", [("auto", 1.0), ("generate", 1.0), ("auto", 0.0)])
+def test_a_script_emits_its_tokens_and_the_model_scores_them(model_tok, hf_decode, temperature):
+    """``Rollout(script=...)``: a prompt a rule matches gets the rule's response tokens (a group filled in from
+    the match), then sampling goes on after them; other prompts are sampled as without a script, and every
+    log-prob, scripted or drawn, is the model's own (a forward at the same temperature)."""
+    model, tok = model_tok
+    script = ((r"(\d+)\+(\d+)=", r"\2+\1="), (r"brown fox", "jumps"))
+    opts = dict(n=2, max_new_tokens=10, temperature=temperature, seed=3, hf_decode=hf_decode)
+    b = HFEngine(model, tok, script=script, **opts).generate(PROMPTS)
+    plain = HFEngine(model, tok, **opts).generate(PROMPTS)
+    assert max_masked_diff(b.response_logprobs, forward_logprobs(model, b, temperature), b.response_mask) < TOL
+    for i, p in enumerate(b.prompt_index.tolist()):
+        forced = tok.encode({0: "jumps", 1: "7+12="}.get(p, ""), add_special_tokens=False)
+        got = b.response_ids[i, :int(b.response_lengths[i])].tolist()
+        assert got[:len(forced)] == forced, (p, got)
+        if p == 2:  # no rule matches its end: drawn exactly as without the script
+            assert got == plain.response_ids[i, :int(plain.response_lengths[i])].tolist()
+        else:
+            assert len(got) > len(forced) or b.finish_reason[i] == "stop"  # sampling went on after the script
+
+
+def test_a_script_is_checked_and_runs_on_the_hf_engine_only():
+    with pytest.raises(RolloutError, match=r"script rule 0: pattern '\(' is not a regular expression"):
+        Rollout(engine="hf", script=(("(", "x"),))
+    with pytest.raises(RolloutError, match=r"must be a \(pattern, response\) pair"):
+        Rollout(engine="hf", script=(("a",),))
+    with pytest.raises(RolloutError, match=r"runs on the HF engine.*engine='hf'"):
+        Rollout(engine="vllm", script=(("a", "b"),))
+    assert Rollout(engine="hf", script=[["a", "b"]]).script == (("a", "b"),)  # as read back from trainer.json
+
+
 def test_hf_end_tokens_stop_the_response(model_tok):
     """Replaying a seed with an extra end token: each sample is cut right after its first occurrence."""
     model, tok = model_tok
