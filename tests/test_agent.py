@@ -13,10 +13,11 @@ import time
 
 import pytest
 import torch
+from _countdown import Countdown
 from _logprob_ref import layout_logprobs
 
 import rlkit
-from rlkit.agent import ChatFormat, EnvStep, MultiTurn, as_tools, parse_tool_calls, run_tool_calls
+from rlkit.agent import ChatFormat, MultiTurn, as_tools, parse_tool_calls, run_tool_calls
 from rlkit.errors import TrainerError
 from rlkit.models import load, tiny_lm
 from rlkit.tasks.calc import TINY_TOOL_PROMPT, Calculator, calculator, calculator_script, tool_call_text
@@ -320,19 +321,6 @@ def test_bounded_episodes_end_and_are_marked_truncated(tool_model, tmp_path):
         assert all(e["truncated"] and e["tool_calls"] == 1 for e in gen["episode"]), gen["episode"]
     finally:
         tr.close()
-
-
-class Countdown:
-    """An environment: the user counts down from the row's start, one number per assistant turn; each turn
-    earns 0.25 and the episode ends at 0."""
-
-    def reset(self, row):
-        self.left = int(row["start"])
-        return [{"role": "user", "content": f"count down from {self.left}"}]
-
-    def step(self, message):
-        self.left -= 1
-        return EnvStep([{"role": "user", "content": str(self.left)}], done=self.left <= 0, reward=0.25)
 
 
 def test_an_environment_steps_rewards_and_its_messages_are_masked(tmp_path):

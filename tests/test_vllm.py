@@ -9,6 +9,7 @@ import os
 
 import pytest
 import torch
+from _countdown import Countdown
 from _logprob_ref import forward_logprobs, max_masked_diff
 
 import rlkit
@@ -258,21 +259,6 @@ def test_lora_adapters_reach_the_vllm_engine(tmp_path):
         assert batch.sync and all(r.get("bytes", 0) <= adapter_bytes for r in batch.sync), (batch.sync, adapter_bytes)
     finally:
         tr.close()
-
-
-class Countdown:
-    """An environment: counts down from the row's start, one number per assistant turn, and ends at 0. Its
-    messages come back as template glue whatever the model wrote, so the episodes' shape is the test's."""
-
-    def reset(self, row):
-        self.left = int(row["start"])
-        return [{"role": "user", "content": f"count down from {self.left}"}]
-
-    def step(self, message):
-        from rlkit.agent import EnvStep
-
-        self.left -= 1
-        return EnvStep([{"role": "user", "content": str(self.left)}], done=self.left <= 0, reward=0.25)
 
 
 def test_multi_turn_episodes_on_vllm(tmp_path):
