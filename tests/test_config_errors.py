@@ -105,6 +105,8 @@ ROLLOUT_BAD = {
     "max_model_len": [(-5, "max_model_len=-5 must be a positive integer or None")],
     "enforce_eager": [("no", "enforce_eager='no' must be True or False")],
     "engine_kwargs": [("tensor_parallel_size=2", "engine_kwargs='tensor_parallel_size=2' must be a dict")],
+    "script": [("hi", "script='hi' must be a tuple of (pattern, response) rules"),
+               ((("(", "x"),), "script rule 0: pattern '(' is not a regular expression")],
 }
 
 # RewardModel(path_or_model, tokenizer, *, batch_size, max_length, device, template, normalize)
