@@ -5,12 +5,12 @@ older transformers, so it has a venv of its own). There ``RLKIT_REQUIRE_VLLM=1``
 into a failure instead of a skip; in the main venv the ``vllm`` marker keeps them out of the default run.
 """
 
-import os
 
 import pytest
 import torch
 from _countdown import Countdown
 from _logprob_ref import forward_logprobs, max_masked_diff
+from _require import need_module
 
 import rlkit
 from rlkit.models import load, tiny_lm
@@ -18,10 +18,14 @@ from rlkit.rollout import HFEngine, RolloutError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.usefixtures("one_torch_thread")]
 
-if os.environ.get("RLKIT_REQUIRE_VLLM") == "1":
-    import vllm  # noqa: F401  (the vLLM venv must have it: fail loudly, never skip)
-else:
-    pytest.importorskip("vllm")
+
+
+@pytest.fixture(autouse=True)
+def _vllm_installed():
+    """vllm is imported by the tests that run (the vLLM venv must have it: RLKIT_REQUIRE_VLLM=1 fails loudly),
+    not when the module is collected: in the main venv ``-m 'not vllm'`` deselects them, and nothing is
+    reported skipped there."""
+    need_module("vllm", "RLKIT_REQUIRE_VLLM")
 
 PROMPTS = ["the quick brown fox", "12+7=", "what is the answer ? the answer is"]
 TOL = 1e-4  # fp32 log-prob agreement with a forward pass
