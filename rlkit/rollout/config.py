@@ -17,6 +17,9 @@ ON_LONG_PROMPT = ("error", "skip")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 HF_DECODE = ("auto", "generate")
 # The fields a single generate() call may override; the rest are fixed when the engine starts.
+# Rollout.script on vLLM: refused in the config (engine="vllm") and by the engine (engine="auto" resolved to it)
+SCRIPT_HF_ONLY = ("Rollout(script=...) runs on the HF engine (it picks the scripted tokens inside rlkit's decode "
+                  "loop); use engine='hf'")
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids",
                    "ignore_eos", "seed")
 
@@ -156,8 +159,7 @@ class Rollout:
                                f"arguments, e.g. {{'enable_prefix_caching': True}}")
         check_script(self.script)
         if self.script and self.engine == "vllm":
-            raise RolloutError("script= runs on the HF engine (it picks the scripted tokens inside rlkit's decode "
-                               "loop); use engine='hf'")
+            raise RolloutError(SCRIPT_HF_ONLY)
 
     def with_overrides(self, **overrides: Any) -> Rollout:
         """A copy with per-call sampling overrides (only ``SAMPLING_FIELDS``), checked again."""

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from rlkit.rollout.base import RolloutEngine, named_tensor_items
-from rlkit.rollout.config import Rollout, RolloutError
+from rlkit.rollout.config import SCRIPT_HF_ONLY, Rollout, RolloutError
 
 
 def checkpoint_names(path: str) -> set[str] | None:
@@ -166,8 +166,7 @@ class VLLMEngine(RolloutEngine):
 
     def _generate_ids(self, prompts, cfg, seeds):
         if cfg.script:
-            raise RolloutError("Rollout(script=...) runs on the HF engine (it picks the scripted tokens inside "
-                               "rlkit's decode loop); use engine='hf'")
+            raise RolloutError(SCRIPT_HF_ONLY)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
                                  self._sampling_params(cfg, seeds), use_tqdm=False)
         responses, logprobs, reasons = [], [], []
