@@ -13,8 +13,8 @@ relative, grads 1e-6, weights after 3 steps 1e-5, the gathered model's log-probs
 0.19.8, 2026-12-05): log-probs and entropy 0 (the same Stage computes them), loss equal, grads <= 6.0e-8,
 weights <= 1.9e-6 (ZeRO-1 qwen2), grad norm within 5e-8 relative, gathered model 4.8e-7; resume 0.0.
 
-DeepSpeed JIT-builds its ``deepspeed_shm_comm`` op once (~45 s, into ``~/.cache/rlkit/torch_extensions``);
-AdamW is torch's (no fused CPU Adam is built).
+No op is JIT-built: not the ``deepspeed_shm_comm`` op (inference only, skipped by rlkit; a test below checks
+that the cache gets no build), nor a fused CPU Adam (AdamW is torch's).
 """
 
 from __future__ import annotations
@@ -110,9 +110,12 @@ def test_dp2_pp2_on_4_ranks_matches_single_process(tmp_path, tiny_paths):
     run_layouts(tmp_path, tiny_paths, 4, ["dp2-pp2-z1:llama-tied", "dp2-pp2-z0:qwen2"])
 
 
-def test_one_rank_matches_single_process(tmp_path, tiny_paths):
+def test_one_rank_matches_single_process(tmp_path, tiny_paths, monkeypatch):
+    ext = tmp_path / "torch_extensions"  # where DeepSpeed would JIT-build an op: it builds none
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
     reps = run_layouts(tmp_path, tiny_paths, 1, ["dp1-z0:qwen2", "dp1-z2:llama-tied"], ckpt=True)
     _memory_matches_zero(reps[0], dp=1)
+    assert not ext.exists() or not any(ext.iterdir()), sorted(p.name for p in ext.iterdir())
 
 
 @pytest.mark.ray

@@ -16,8 +16,10 @@ DeepSpeed computes is that objective's gradient. Gradients are clipped by DeepSp
 ``"gradient_clipping"`` (0.19.8 clips at 1.0 unless told: it is always set), and AdamW is a
 ``torch.optim.AdamW`` handed to ``deepspeed.initialize`` (no JIT-built fused Adam).
 
-On first use DeepSpeed JIT-builds its ``deepspeed_shm_comm`` op (g++, ~45 s on CPU); ``TORCH_EXTENSIONS_DIR``
-defaults to ``rlkit.models.cache_dir() / "torch_extensions"`` (unless set) so it is built once per machine.
+DeepSpeed's comm layer JIT-builds its ``deepspeed_shm_comm`` op on CPU (g++, ~45 s a machine) for
+``inference_all_reduce`` alone, which training never calls: rlkit skips that build (``import_deepspeed``), so no
+compiler is needed. Any op DeepSpeed still JIT-builds goes to ``TORCH_EXTENSIONS_DIR``, by default
+``rlkit.models.cache_dir() / "torch_extensions"`` (unless set), built once per machine.
 
 Two private parts of DeepSpeed's pipeline engine are used, so that ``forward_backward`` and
 ``optimizer_step`` stay separate calls as in ``ParallelModel``: the engine's ``_train_schedule`` is
@@ -27,6 +29,7 @@ replaced by one without its ``OptimizerStep``, and ``optimizer_step`` calls ``_e
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import os
 import time
@@ -104,6 +107,11 @@ def _forget_world() -> None:
     groups.mesh_device = None
 
 
+def _no_shm_op() -> None:
+    """DeepSpeed's ``build_shm_op`` where the op is not built (see ``import_deepspeed``)."""
+    return None
+
+
 def import_deepspeed():
     """``deepspeed``, imported for this machine and joined to the running torch.distributed world.
 
@@ -118,6 +126,10 @@ def import_deepspeed():
     os.environ.setdefault("LOCAL_RANK", str(torch.cuda.current_device() if torch.cuda.is_available() else 0))
     import deepspeed
 
+    # its shared-memory all-reduce serves inference_all_reduce only (DeepSpeed inference's TP), never training;
+    # without it DeepSpeed takes torch.distributed's collectives, as it does where the op cannot build.
+    # (By module name: the package attribute deepspeed.comm.torch is the torch package itself.)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = _no_shm_op
     if not dist.is_initialized():
         raise PlanError("DeepSpeedModel runs inside an initialized torch.distributed world "
                         "(rlkit.parallel.dist.init_distributed)")
@@ -125,7 +137,7 @@ def import_deepspeed():
     if _ds_world[0] is not None and _ds_world[0] is not world:
         _forget_world()  # DeepSpeed cached the groups of a world destroyed since (a Trainer closed in this process)
     _ds_world[0] = world
-    with contextlib.redirect_stdout(io.StringIO()):  # its JIT op build prints "... built successfully"
+    with contextlib.redirect_stdout(io.StringIO()):  # a JIT op build prints "... built successfully"
         deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group
     return deepspeed
 
