@@ -72,7 +72,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         from rlkit.algos import AGG_MODES, KL_KINDS
         from rlkit.checks import boolean, choice, integer, number
-        from rlkit.parallel.model import PRECISIONS
+        from rlkit.parallel.kit import PRECISIONS
 
         err = {"error": TrainerError}
         integer("prompts_per_step", self.prompts_per_step, hint="e.g. prompts_per_step=8", **err)

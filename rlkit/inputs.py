@@ -238,7 +238,7 @@ def padding_free(config: TrainerConfig, plan: ParallelPlan) -> bool:
     backend's); a token budget asked for there is an error."""
     from rlkit.parallel.model import PACKED_DP_PP
 
-    if config.backend.name != "torch":
+    if not config.backend.caps.packing:
         if config.micro_batch_tokens is not None:
             raise TrainerError(f"micro_batch_tokens={config.micro_batch_tokens} sizes padding-free micro-batches, which "
                                f"backend={config.backend.name!r} does not run (it trains the padded layout); use "
@@ -300,7 +300,7 @@ def check_backend(config: TrainerConfig, plan: ParallelPlan, model_path: str, ro
 
     from rlkit.backends import check_backend as check
 
-    hf_config = AutoConfig.from_pretrained(model_path) if config.backend.name != "torch" else None
+    hf_config = AutoConfig.from_pretrained(model_path) if config.backend.caps.model_families else None
     return check(config.backend, plan, hf_config, lora=config.lora, padding_free=padding_free(config, plan),
                  rollout_tp=rollout.tp, precision=config.precision)
 

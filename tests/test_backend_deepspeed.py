@@ -49,6 +49,7 @@ def run_layouts(tmp_path, tiny_paths, nprocs: int, layouts: list[str], ckpt: boo
     assert res.returncodes == [0] * nprocs and res.report is not None, res.log()
     reps = res.report["layouts"]
     assert [r["layout"] for r in reps] == layouts
+    assert all(r["interface_missing"] == [] for r in reps)  # DeepSpeedModel is a TrainingModel
     for i, rep in enumerate(reps):
         bounds = TOL | (LM_TOL if rep["head"] == "lm" else {})
         for key, bound in bounds.items():  # a missing key fails: nothing passes unchecked

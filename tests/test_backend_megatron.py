@@ -50,6 +50,7 @@ def run_layout(tmp_path, path, nprocs, *args, ckpt=False):
     res = launch(nprocs, argv, tmp_path, timeout=300, module="rlkit.backends.megatron.check")
     assert res.returncodes == [0] * nprocs and res.report is not None, res.log()
     rep = res.report
+    assert rep["interface_missing"] == []  # MegatronModel is a rlkit.parallel.kit.TrainingModel
     outputs = ("max_dvalue",) if "value" in args else ("max_dlogprob", "max_dentropy", "max_dlogprob_gathered_model")
     tol = TOL | ({"max_dgrad": CRITIC_DGRAD} if "value" in args else {})
     for key in ("max_dgrad", "max_dweight", *outputs):  # a missing key fails: nothing passes unchecked

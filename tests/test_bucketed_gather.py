@@ -27,7 +27,7 @@ def _gather(pm: Any, limit: int, **kw: Any) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    import rlkit.parallel.model as model_mod
+    import rlkit.parallel.gather as gather_mod
 
     calls = {"full_tensor": 0, "broadcast": 0}
     full_tensor, broadcast = DTensor.full_tensor, dist.broadcast
@@ -40,12 +40,12 @@ def _gather(pm: Any, limit: int, **kw: Any) -> dict[str, Any]:
         calls["broadcast"] += 1
         return broadcast(*a, **k)
 
-    default = model_mod.GATHER_BUCKET_BYTES
-    DTensor.full_tensor, dist.broadcast, model_mod.GATHER_BUCKET_BYTES = counted_full, counted_broadcast, limit
+    default = gather_mod.GATHER_BUCKET_BYTES
+    DTensor.full_tensor, dist.broadcast, gather_mod.GATHER_BUCKET_BYTES = counted_full, counted_broadcast, limit
     try:
         items = list(pm.iter_full_weights(**kw))
     finally:
-        DTensor.full_tensor, dist.broadcast, model_mod.GATHER_BUCKET_BYTES = full_tensor, broadcast, default
+        DTensor.full_tensor, dist.broadcast, gather_mod.GATHER_BUCKET_BYTES = full_tensor, broadcast, default
     return {"items": items, "bytes": pm.last_transfer["bytes"], **calls}
 
 
@@ -54,12 +54,12 @@ def _compare(pm: Any, **kw: Any) -> dict[str, Any]:
     bytes received; plus the collectives each made."""
     import torch
 
-    import rlkit.parallel.model as model_mod
+    import rlkit.parallel.gather as gather_mod
 
     ref = _gather(pm, 0, **kw)
     out: dict[str, Any] = {"n": len(ref["items"]), "received": sum(t is not None for _, t in ref["items"]),
                            "ref_bytes": ref["bytes"], "ref_full_tensor": ref["full_tensor"]}
-    for label, limit in (("small", SMALL_BUCKET), ("default", model_mod.GATHER_BUCKET_BYTES)):
+    for label, limit in (("small", SMALL_BUCKET), ("default", gather_mod.GATHER_BUCKET_BYTES)):
         got = _gather(pm, limit, **kw)
         pairs = list(zip(ref["items"], got["items"]))
         out[label] = {

@@ -50,6 +50,7 @@ def run_plan(tmp_path, tiny_paths, nprocs, *args, arch="qwen2", ckpt=False, time
     assert abs(rep["loss"] - rep["ref_loss"]) <= tol.get("loss_rel", 1e-6) * max(1.0, abs(rep["ref_loss"])), rep
     assert abs(rep["grad_norm"] - rep["ref_grad_norm"]) <= tol.get("grad_norm_rel", 1e-5) * rep["ref_grad_norm"], rep
     assert rep["strict_load"] is True
+    assert rep["interface_missing"] == []  # ParallelModel is a rlkit.parallel.kit.TrainingModel
     assert len(rep["memory"]) == nprocs
     assert "max_drelayout" in rep and rep["relayout_held_bytes"] > 0  # re-layout into a pp=1 generation layout
     if ckpt:

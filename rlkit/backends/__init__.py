@@ -8,10 +8,12 @@
   (``rlkit.backends.deepspeed``; extra ``rlkit[deepspeed]``). DeepSpeed has no tensor parallelism for
   training an HF model here: ``tp > 1`` is refused.
 
-Every backend's model offers ``ParallelModel``'s interface to the workers (``logprobs``, ``values``,
-``train_step``, ``set_scoring``, ``set_packing``, ``iter_full_weights``, ``full_state_dict``, ``save``,
-``load``, ``memory``, ``optimizer``, ``params``, ``lora``, ``last_transfer``), so the plan, the worker
-contract, the rollout engines, weight sync, checkpoints and the live view stay the same above it.
+Every backend's model is a ``rlkit.parallel.kit.TrainingModel`` (``logprobs``, ``values``, ``train_step``,
+``set_scoring``, ``set_packing``, ``iter_full_weights``, ``full_state_dict``, ``save``, ``load``, ``memory``,
+``optimizer``, ``params``, ``lora``, ``last_transfer``), so the plan, the worker contract, the rollout engines,
+weight sync, checkpoints and the live view stay the same above it. What each can run is one table,
+``CAPABILITIES``, which the driver's checks and the workers read: no code outside this registry asks a
+backend's name.
 
 ``check_backend`` runs in the driver before any worker starts; ``make_model`` on each rank.
 
@@ -33,6 +35,38 @@ from rlkit.plan.backend_memory import ZERO_OF_SHARDING
 from rlkit.plan.topology import ParallelPlan
 
 NAMES = ("torch", "megatron", "deepspeed")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a training backend runs (``CAPABILITIES[name]``, ``Backend.caps``).
+
+    >>> CAPABILITIES["deepspeed"].tp, CAPABILITIES["megatron"].tp, CAPABILITIES["torch"].lora
+    (False, True, True)
+    """
+
+    tp: bool                  # tensor parallelism (tp > 1)
+    vpp: bool                 # virtual pipeline stages (vpp > 1)
+    sharded_dp: bool          # dp_shard other than "replicate" (FSDP2; DeepSpeed's ZeRO 2-3)
+    any_rank_order: bool      # plan orders other than Megatron's "tp-dp-pp"
+    lora: bool                # LoRA adapters (TrainerConfig.lora)
+    packing: bool             # padding-free micro-batches (TrainerConfig.padding_free, micro_batch_tokens)
+    generation_layout: bool   # the actor's DTensors resharded into Rollout(tp=...), or lent to a one-rank engine
+    rlkit_groups: bool        # trains on the process groups rlkit builds (else its own, in the same rank order)
+    model_families: bool      # maps only the model families it knows (rlkit.backends.families), checked on the config
+    precisions: tuple[str, ...] = ("fp32", "bf16-mixed")
+    zero_stages_with_pp: tuple[int, ...] = ()   # DeepSpeed's ZeRO stages that its pipeline engine runs
+
+
+CAPABILITIES: dict[str, Capabilities] = {
+    "torch": Capabilities(tp=True, vpp=True, sharded_dp=True, any_rank_order=True, lora=True, packing=True,
+                          generation_layout=True, rlkit_groups=True, model_families=False),
+    "megatron": Capabilities(tp=True, vpp=False, sharded_dp=False, any_rank_order=False, lora=False, packing=False,
+                             generation_layout=False, rlkit_groups=False, model_families=True, precisions=("fp32",)),
+    "deepspeed": Capabilities(tp=False, vpp=False, sharded_dp=True, any_rank_order=False, lora=False, packing=False,
+                              generation_layout=False, rlkit_groups=False, model_families=False,
+                              zero_stages_with_pp=(0, 1)),
+}
 # backend -> (the module it needs, the pip extra that installs it)
 REQUIRES = {"megatron": ("megatron.core", "megatron"), "deepspeed": ("deepspeed", "deepspeed")}
 
@@ -50,6 +84,11 @@ class Backend:
 
     name: str = "torch"
     zero_stage: int | None = None
+
+    @property
+    def caps(self) -> Capabilities:
+        """What this backend runs (``CAPABILITIES``)."""
+        return CAPABILITIES[self.name]
 
     def __post_init__(self) -> None:
         if self.name not in NAMES:
@@ -102,57 +141,52 @@ def check_backend(backend: str | Backend | None, plan: ParallelPlan, config: Any
     rlkit.errors.PlanError: backend='deepspeed' cannot run tp=2: ...
     """
     backend = resolve(backend, plan)
-    if backend.name == "torch":
-        return backend
-    module, extra = REQUIRES[backend.name]
-    if not installed(backend.name):
-        raise PlanError(f"backend={backend.name!r} needs {module}, which is not installed; install the extra: "
+    name, caps = backend.name, backend.caps
+    if name in REQUIRES and not installed(name):
+        module, extra = REQUIRES[name]
+        raise PlanError(f"backend={name!r} needs {module}, which is not installed; install the extra: "
                         f"pip install 'rlkit[{extra}]' (or use backend='torch')")
-    name = backend.name
-    if lora is not None:
+    if lora is not None and not caps.lora:
         raise PlanError(f"LoRA runs on backend='torch' only; backend={name!r} trains full weights (drop lora= or "
                         f"use backend='torch')")
-    if padding_free:
+    if padding_free and not caps.packing:
         raise PlanError(f"padding_free=True runs on backend='torch' only; use padding_free=False with backend={name!r}")
-    if rollout_tp is not None:
+    if rollout_tp is not None and not caps.generation_layout:
         raise PlanError(f"Rollout(tp={rollout_tp}) (the 3D-HybridEngine's generation layout) reshards the torch "
                         f"backend's DTensors; with backend={name!r} use Rollout(tp=None): one engine per DP group, "
                         f"synced from the full weights")
-    if plan.order != "tp-dp-pp":
+    if plan.order != "tp-dp-pp" and not caps.any_rank_order:
         raise PlanError(f"backend={name!r} lays ranks out in Megatron's order; use order='tp-dp-pp', not "
                         f"{plan.order!r}")
-    if name == "megatron":
+    if plan.dp_shard != "replicate" and plan.dp > 1 and not caps.sharded_dp:
+        raise PlanError(f"Megatron-Core's DP replicates the weights (DDP; its distributed optimizer needs CUDA): "
+                        f"dp_shard={plan.dp_shard!r} cannot run; use ParallelPlan(..., dp_shard='replicate')")
+    if precision not in caps.precisions:
+        raise PlanError(f"backend={name!r} trains {' or '.join(caps.precisions)} here (Megatron-Core's bf16 path, "
+                        f"Float16OptimizerWithFloat16Params, is not wired yet); use precision='fp32', or backend="
+                        f"'torch' / 'deepspeed' for precision={precision!r}")
+    if plan.vpp > 1 and not caps.vpp:
+        raise PlanError(f"backend={name!r} runs vpp=1 here (virtual pipeline stages are not wired yet); use vpp=1 "
+                        f"(got vpp={plan.vpp})")
+    if plan.tp > 1 and not caps.tp:
+        raise PlanError(f"backend={name!r} cannot run tp={plan.tp}: DeepSpeed trains an HF model with ZeRO "
+                        f"over DP and its PipelineModule over PP, but has no tensor parallelism for it (its "
+                        f"AutoTP is for inference); use tp=1, or backend='torch' / 'megatron' for TP")
+    if plan.pp > 1 and caps.zero_stages_with_pp and backend.zero_stage not in caps.zero_stages_with_pp:
+        raise PlanError(f"DeepSpeed's pipeline engine runs ZeRO stage {' or '.join(map(str, caps.zero_stages_with_pp))} "
+                        f"only; got zero_stage={backend.zero_stage} with pp={plan.pp}: use Backend('deepspeed', "
+                        f"zero_stage=1) or dp_shard='replicate'")
+    if caps.model_families and config is not None:
         from rlkit.backends.families import check_family
 
-        if plan.dp_shard != "replicate" and plan.dp > 1:
-            raise PlanError(f"Megatron-Core's DP replicates the weights (DDP; its distributed optimizer needs CUDA): "
-                            f"dp_shard={plan.dp_shard!r} cannot run; use ParallelPlan(..., dp_shard='replicate')")
-        if precision != "fp32":
-            raise PlanError(f"backend='megatron' trains fp32 here (its bf16 path, Float16OptimizerWithFloat16Params, is "
-                            f"not wired yet); use precision='fp32', or backend='torch' / 'deepspeed' for "
-                            f"precision={precision!r}")
-        if plan.vpp > 1:
-            raise PlanError(f"backend='megatron' runs vpp=1 here (virtual stages are not wired yet); got vpp={plan.vpp}")
-        if config is not None:
-            check_family(config)
-    if name == "deepspeed":
-        if plan.tp > 1:
-            raise PlanError(f"backend='deepspeed' cannot run tp={plan.tp}: DeepSpeed trains an HF model with ZeRO "
-                            f"over DP and its PipelineModule over PP, but has no tensor parallelism for it (its "
-                            f"AutoTP is for inference); use tp=1, or backend='torch' / 'megatron' for TP")
-        if plan.vpp > 1:
-            raise PlanError(f"backend='deepspeed' has no virtual pipeline stages; use vpp=1 (got vpp={plan.vpp})")
-        if plan.pp > 1 and backend.zero_stage > 1:
-            raise PlanError(f"DeepSpeed's pipeline engine runs ZeRO stage 0 or 1 only; got zero_stage="
-                            f"{backend.zero_stage} with pp={plan.pp}: use Backend('deepspeed', zero_stage=1) or "
-                            f"dp_shard='replicate'")
+        check_family(config)
     return backend
 
 
 def make_model(backend: Backend, model: Any, plan: ParallelPlan, **kwargs: Any) -> Any:
     """This rank's model under ``backend``: ``ParallelModel``'s constructor arguments (``head``, ``lr``,
     ``max_grad_norm``, ``seed``, ``eps``, ``precision``, ``groups``, ``lora``), a collective."""
-    if backend.name != "torch":
+    if backend.name in REQUIRES:
         _quiet_library()
     if backend.name == "megatron":
         from rlkit.backends.megatron import MegatronModel

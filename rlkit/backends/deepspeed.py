@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from rlkit import atomic
 from rlkit.checks import choice
 from rlkit.errors import CheckpointError, PlanError
-from rlkit.parallel.model import (
+from rlkit.parallel.kit import (
     PRECISIONS,
     LossFn,
     WeightFn,
@@ -59,9 +59,9 @@ from rlkit.parallel.model import (
 )
 from rlkit.parallel.stage import (
     Stage,
-    _run_layer,
     causal_padding_mask,
     position_ids_from_mask,
+    run_layer,
     token_logprobs,
 )
 from rlkit.plan.topology import ParallelPlan
@@ -179,7 +179,7 @@ class _PipeLayer(nn.Module):
         with self.scoring.autocast(h.device):
             pos = position_ids_from_mask(am)
             pe = self.rotary[0](h, position_ids=pos)
-            h = _run_layer(self.layer, h, causal_padding_mask(am, h.dtype), pos, pe)
+            h = run_layer(self.layer, h, causal_padding_mask(am, h.dtype), pos, pe)
         return h, am, ids
 
 

@@ -24,15 +24,14 @@ import torch.nn as nn
 from rlkit.backends.deepspeed import DeepSpeedModel
 from rlkit.errors import PlanError
 from rlkit.parallel.check import (
-    _chunks,
-    _max,
-    _response_tokens,
     make_batch,
+    max_over_ranks,
     ppo_loss,
     reference_forward,
+    response_tokens,
     value_loss,
 )
-from rlkit.parallel.model import load_hf
+from rlkit.parallel.kit import load_hf, missing_members, split_rows
 from rlkit.plan.topology import ParallelPlan
 
 
@@ -90,7 +89,7 @@ def check_layout(model: str, plan: ParallelPlan, zero: int, *, steps: int = 3, s
         batches.append(b)
 
     def ref_step(b, do_step=True):
-        chunks = [c for d in _chunks(b, plan.dp) for c in _chunks(d, m)]
+        chunks = [c for d in split_rows(b, plan.dp) for c in split_rows(d, m)]
         loss = sum(loss_fn(reference_forward(ref, ref_vh, c), c) for c in chunks) / len(chunks)
         loss.backward()
         if do_step:
@@ -99,21 +98,22 @@ def check_layout(model: str, plan: ParallelPlan, zero: int, *, steps: int = 3, s
             ref_opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    report: dict[str, Any] = {"plan": plan.describe(), "zero_stage": zero, "model": Path(model).name, "head": head}
+    report: dict[str, Any] = {"plan": plan.describe(), "zero_stage": zero, "model": Path(model).name, "head": head,
+                              "interface_missing": missing_members(dm)}
     mine = dm.shard_batch(batches[0])
     with torch.no_grad():
         ref_out = reference_forward(ref, ref_vh, mine)
     got = dm.logprobs(mine["input_ids"], mine["attention_mask"])
     am = mine["attention_mask"].bool()
     valid = am if head == "value" else am & torch.cat([torch.zeros_like(am[:, :1]), am[:, :-1]], 1)
-    diffs = {k: _max(((got[k] - ref_out[k]).abs() * valid).max()) for k in got}
+    diffs = {k: max_over_ranks(((got[k] - ref_out[k]).abs() * valid).max()) for k in got}
     if head == "lm":  # scoring the response's columns only: the others 0, the scored ones unchanged
         k = seq_len // 2
         dm.set_scoring(first_column=k, entropy_grad=False)
         part = dm.logprobs(mine["input_ids"], mine["attention_mask"])
         dm.set_scoring(first_column=1)
-        report["max_dscoring"] = _max(max((part[n][:, k:] - got[n][:, k:]).abs().max() for n in part))
-        report["max_unscored"] = _max(max(part[n][:, :k].abs().max() for n in part))
+        report["max_dscoring"] = max_over_ranks(max((part[n][:, k:] - got[n][:, k:]).abs().max() for n in part))
+        report["max_unscored"] = max_over_ranks(max(part[n][:, :k].abs().max() for n in part))
     dm.set_packing(False)  # a no-op; padding-free is refused
     try:
         dm.set_packing(True)
@@ -123,7 +123,7 @@ def check_layout(model: str, plan: ParallelPlan, zero: int, *, steps: int = 3, s
     # the reference policy: a separate instance with lr=0 on the same ranks
     frozen = DeepSpeedModel(model, plan, zero_stage=zero, lr=0.0, **opt)
     got_ref = frozen.logprobs(mine["input_ids"], mine["attention_mask"])
-    report["max_dlogprob_refmodel"] = _max(max(((got_ref[k] - ref_out[k]).abs() * valid).max() for k in got_ref))
+    report["max_dlogprob_refmodel"] = max_over_ranks(max(((got_ref[k] - ref_out[k]).abs() * valid).max() for k in got_ref))
     report["refmodel_memory"] = frozen.memory().to_dict(orient="records")
     del frozen
 
@@ -133,7 +133,7 @@ def check_layout(model: str, plan: ParallelPlan, zero: int, *, steps: int = 3, s
     for name, g in dm.full_grads():
         gdiff = max(gdiff, (g.float() - ref_named[name].grad).abs().max().item())
         n_grads += 1
-    gdiff = _max(torch.tensor(gdiff))
+    gdiff = max_over_ranks(torch.tensor(gdiff))
     counts = [0] * dist.get_world_size()
     dist.all_gather_object(counts, n_grads)
     ref_gnorm = torch.nn.utils.get_total_norm([p.grad for p in ref_params]).item()
@@ -190,9 +190,9 @@ def check_layout(model: str, plan: ParallelPlan, zero: int, *, steps: int = 3, s
 
     # weighted micro-batches (the workers' token-mean objectives): sum(w * loss) / sum(w), w = response tokens
     b = batches[-1]
-    wloss = dm.forward_backward(dm.shard_batch(b), loss_fn, _response_tokens)
-    chunks = [c for d in _chunks(b, plan.dp) for c in _chunks(d, m)]
-    ws = [_response_tokens(c) for c in chunks]
+    wloss = dm.forward_backward(dm.shard_batch(b), loss_fn, response_tokens)
+    chunks = [c for d in split_rows(b, plan.dp) for c in split_rows(d, m)]
+    ws = [response_tokens(c) for c in chunks]
     ref_w = sum(w * loss_fn(reference_forward(ref, ref_vh, c), c) for w, c in zip(ws, chunks)) / sum(ws)
     ref_w.backward()
     wdiff = 0.0
@@ -200,7 +200,7 @@ def check_layout(model: str, plan: ParallelPlan, zero: int, *, steps: int = 3, s
         wdiff = max(wdiff, (g.float() - ref_named[name].grad).abs().max().item())
     ref_opt.zero_grad(set_to_none=True)
     dm.optimizer_step()  # leaves DeepSpeed's accumulation counters at a boundary
-    report.update(weighted_loss=wloss, ref_weighted_loss=ref_w.item(), max_dgrad_weighted=_max(torch.tensor(wdiff)))
+    report.update(weighted_loss=wloss, ref_weighted_loss=ref_w.item(), max_dgrad_weighted=max_over_ranks(torch.tensor(wdiff)))
     return report
 
 

@@ -18,7 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from rlkit.parallel.model import ParallelModel, full, load_hf
+from rlkit.parallel.gather import full
+from rlkit.parallel.kit import load_hf, missing_members, split_rows
+from rlkit.parallel.model import ParallelModel
 from rlkit.parallel.stage import position_ids_from_mask
 from rlkit.plan.topology import ParallelPlan
 
@@ -100,7 +102,7 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     opt = dict(lr=lr, weight_decay=0.01, eps=1e-6, activation_checkpointing=activation_checkpointing)
     pm = ParallelModel(model, plan, head=head, max_grad_norm=max_grad_norm, seed=seed, lora=lora_cfg, **opt)
     pm.set_packing(padding_free, token_budget)
-    weight_fn = _response_tokens if padding_free else None
+    weight_fn = response_tokens if padding_free else None
     if fail_rank is not None and rank == fail_rank:
         raise RuntimeError(f"injected failure on rank {rank} (--fail-rank)")
     ref_vh = None
@@ -133,7 +135,7 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
 
     def ref_step(b, do_step=True):
         # the plan's micro-batches; padding-free: the whole batch (its objective is the step's token mean)
-        chunks = [b] if padding_free else [c for d in _chunks(b, plan.dp) for c in _chunks(d, m)]
+        chunks = [b] if padding_free else [c for d in split_rows(b, plan.dp) for c in split_rows(d, m)]
         loss = sum(loss_fn(reference_forward(ref, ref_vh, c), c) for c in chunks) / len(chunks)
         loss.backward()
         if do_step:
@@ -143,7 +145,8 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
         return loss.item()
 
     report: dict[str, Any] = {"plan": plan.describe(), "world_size": plan.world_size, "head": head,
-                              "padding_free": padding_free, "token_budget": token_budget}
+                              "padding_free": padding_free, "token_budget": token_budget,
+                              "interface_missing": missing_members(pm)}
     mine = pm.shard_batch(batches[0])
     # 1. forward-only outputs on valid positions (token t and its predecessor are real tokens)
     with torch.no_grad():
@@ -153,7 +156,7 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     valid = am & torch.cat([torch.zeros_like(am[:, :1]), am[:, :-1]], 1)
     if head == "value":
         valid = am
-    diffs = {k: _max(((got[k] - ref_out[k]).abs() * valid).max()) for k in got}
+    diffs = {k: max_over_ranks(((got[k] - ref_out[k]).abs() * valid).max()) for k in got}
 
     # 2. loss and gradients of one step
     loss = pm.forward_backward(mine, loss_fn, weight_fn)
@@ -168,7 +171,7 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
         if tied and name == "lm_head.weight":  # pp > 1: the last stage's copy of the tied embedding
             name = "model.embed_tokens.weight"
         gdiff = max(gdiff, (g - ref_named[name].grad).abs().max().item())
-    gdiff = _max(torch.tensor(gdiff))
+    gdiff = max_over_ranks(torch.tensor(gdiff))
     gnorm = pm.grad_norm()
     ref_gnorm = torch.nn.utils.get_total_norm([p.grad for p in ref_params]).item()
     pm.optimizer_step()
@@ -233,7 +236,7 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     shards, rel = resharder.reshard()
     drel = max((shards[k] - v.detach()).abs().max().item() for k, v in ref_named.items())
     resharder.release()
-    report.update(relayout_plan=f"{plan.describe()} -> Rollout(tp=1)", max_drelayout=_max(torch.tensor(drel)),
+    report.update(relayout_plan=f"{plan.describe()} -> Rollout(tp=1)", max_drelayout=max_over_ranks(torch.tensor(drel)),
                   relayout_bytes=rel["bytes"], relayout_seconds=rel["seconds"], relayout_held_bytes=rel["param_bytes"])
 
     # 5. save -> load into a fresh ParallelModel -> continue == uninterrupted run
@@ -375,20 +378,17 @@ def compare_with_estimate(measured, plan: ParallelPlan, config, seq_len: int, mi
     return compare_memory(est[cols], measured[cols]).to_dict(orient="records")
 
 
-def _response_tokens(mb: dict[str, torch.Tensor]) -> float:
-    """A micro-batch's weight in a token-mean objective: its response tokens."""
+def response_tokens(mb: dict[str, torch.Tensor]) -> float:
+    """A micro-batch's weight in a token-mean objective: its response tokens (a backend check's ``weight_fn``)."""
     return float(mb["response_mask"].sum())
 
 
-def _chunks(b: dict[str, torch.Tensor], k: int):
-    n = b["input_ids"].shape[0] // k
-    return [{key: v[i * n:(i + 1) * n] for key, v in b.items()} for i in range(k)]
-
-
-def _max(t: torch.Tensor) -> float:
-    t = t.detach().float().clone()
+def max_over_ranks(x: torch.Tensor | float) -> float:
+    """The largest element of ``x`` over every rank (a collective; float64, so a float32 maximum is exact);
+    ``inf`` when it is not finite."""
+    t = torch.as_tensor(x).detach().to(torch.float64).clone()
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    v = t.item()
+    v = t.max().item() if t.dim() else t.item()
     return v if math.isfinite(v) else float("inf")
 
 

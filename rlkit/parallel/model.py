@@ -19,11 +19,9 @@ accumulation everywhere).
 from __future__ import annotations
 
 import copy
-import math
 import os
-import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +29,29 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from rlkit import atomic
 from rlkit.checks import choice
 from rlkit.errors import CheckpointError, PlanError
 from rlkit.parallel.apply import apply_ac, apply_fsdp, apply_tp
+from rlkit.parallel.gather import full, full_tensors, local, storage_bytes
 from rlkit.parallel.groups import ProcessGroups, build_groups, device_type
+from rlkit.parallel.kit import (
+    PRECISIONS,
+    LossFn,
+    WeightFn,
+    batch_rows,
+    clip_grads,
+    dp_slice,
+    load_hf,
+    loss_scales,
+    micro_batches,
+    restore_rng_state,
+    rng_state,
+    split_rows,
+    take_rows,
+)
 from rlkit.parallel.loading import CheckpointReader, can_load_sharded, empty_model, materialize
 from rlkit.parallel.lora import (
     adapters_disabled,
@@ -54,44 +68,10 @@ from rlkit.parallel.packing import PackedMicroBatch, pack
 from rlkit.parallel.stage import split_stages
 from rlkit.plan.topology import ParallelPlan
 
-LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]
-# A micro-batch's weight in the step's objective (e.g. its loss tokens): see ParallelModel.forward_backward
-WeightFn = Callable[[dict[str, torch.Tensor]], float]
-
-
 # Not yet: DP ranks pack to different shapes, and a pipeline schedule's first use of a shape runs a warm-up
 # forward (FSDP gathers included) on the ranks that meet it, so DP ranks' collectives would not match.
 PACKED_DP_PP = ("padding-free training with dp > 1 and pp > 1 together is not supported yet (DP ranks' packed "
                 "shapes differ, and a pipeline warms up on each new shape); use padding_free=False for this plan")
-
-# Training precisions: the autocast dtype of the stages' forward (and so backward); None is plain fp32.
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16-mixed": torch.bfloat16}
-
-# iter_full_weights gathers FSDP-sharded (dim-0) weights in buckets of about this many gathered bytes, one
-# exchange per bucket instead of one all-gather per parameter (272 on SmolLM2-135M). Measured there at dp=2 on
-# gloo (2 cores, a busy machine): 64 MiB gathered in 0.39-0.51 s, 16-32 MiB and 128 MiB 0.40-0.60 s, one per
-# parameter 0.74-0.81 s. 0 turns bucketing off (one full_tensor per parameter, as before).
-GATHER_BUCKET_BYTES = 64 * 2**20
-
-
-def load_hf(model: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """An HF causal LM from a path / hub id, or the module itself (eager attention, no KV cache)."""
-    if isinstance(model, nn.Module):
-        return model
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype, attn_implementation="eager")
-    hf.config.use_cache = False
-    return hf
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
 
 class ParallelModel:
     """This rank's stages of ``model`` under ``plan``, with an AdamW optimizer.
@@ -278,7 +258,7 @@ class ParallelModel:
         try:
             if self.plan.pp == 1:
                 outs = [self._as_dict(self.stages[0](mb["input_ids"], attention_mask=mb["attention_mask"],
-                                                     labels=mb["input_ids"])) for mb in _split(batch, m)]
+                                                     labels=mb["input_ids"])) for mb in split_rows(batch, m)]
                 out = {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
             else:
                 out = self._pp_forward(batch, m)
@@ -294,7 +274,7 @@ class ParallelModel:
         args = (batch["input_ids"],) if self.has_first else ()
         # Schedules evaluate the loss on the last stage even in eval: hand them a no-op one.
         self._loss_ctx = {"loss_fn": None, "batch": batch}
-        extra = {"target": torch.arange(_batch_size(batch), device=self.device)} if self.has_last else {}
+        extra = {"target": torch.arange(batch_rows(batch), device=self.device)} if self.has_last else {}
         res = sched.eval(*args, attention_mask=batch["attention_mask"], labels=batch["input_ids"], **extra)
         self._loss_ctx = {}
         return self._share_last_stage(res, batch["input_ids"].shape)
@@ -378,9 +358,9 @@ class ParallelModel:
         batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
         batch.setdefault("attention_mask", torch.ones_like(batch["input_ids"]))
         packs = self._pack(batch) if self.padding_free else None
-        parts = [_rows(batch, pk.rows) for pk in packs] if packs else list(_split(batch, self._micro_batches(batch)))
+        parts = [take_rows(batch, pk.rows) for pk in packs] if packs else list(split_rows(batch, self._micro_batches(batch)))
         m = len(parts)
-        weights = [1.0] * m if weight_fn is None else [float(weight_fn(mb)) if _batch_size(mb) else 0.0
+        weights = [1.0] * m if weight_fn is None else [float(weight_fn(mb)) if batch_rows(mb) else 0.0
                                                      for mb in parts]
         scales = loss_scales(weights, self.dp_size, self.dp_group, self.device)
         total = torch.zeros((), device=self.device)
@@ -396,7 +376,7 @@ class ParallelModel:
                 else:
                     out = self._as_dict(st(mb["input_ids"], attention_mask=mb["attention_mask"], labels=mb["input_ids"]))
                 # an empty micro-batch (a DP rank with fewer sequences) adds nothing, but FSDP needs its backward
-                loss = loss_fn(out, mb) if _batch_size(mb) else sum(v.sum() for v in out.values()) * 0.0
+                loss = loss_fn(out, mb) if batch_rows(mb) else sum(v.sum() for v in out.values()) * 0.0
                 (loss / m if weight_fn is None else loss * scales[j]).backward()
                 total += loss.detach() / m if weight_fn is None else loss.detach() * scales[j]
         else:
@@ -408,7 +388,7 @@ class ParallelModel:
             else:
                 sched = self._schedule(batch, m, train=True)
                 args = (batch["input_ids"],) if self.has_first else ()
-                extra = {"target": torch.arange(_batch_size(batch), device=self.device), "losses": losses} \
+                extra = {"target": torch.arange(batch_rows(batch), device=self.device), "losses": losses} \
                     if self.has_last else {}
                 sched.step(*args, attention_mask=batch["attention_mask"], labels=batch["input_ids"], **extra)
             self._loss_ctx = {}
@@ -427,7 +407,7 @@ class ParallelModel:
             for p in self._tied_copies():
                 if p.grad is not None:
                     dist.all_reduce(local(p.grad), group=self._tied_group)
-        self.last_grad_bytes = _bytes([p.grad for p in self.params if p.grad is not None])
+        self.last_grad_bytes = storage_bytes([p.grad for p in self.params if p.grad is not None])
         return total.item()
 
     def _pp_loss(self, output, target: torch.Tensor) -> torch.Tensor:
@@ -447,7 +427,7 @@ class ParallelModel:
         else:
             j = int(target[0]) // len(target)
         mb = ctx["parts"][j]
-        if not _batch_size(mb):  # an empty row of a packed pipeline: keep the graph, add nothing
+        if not batch_rows(mb):  # an empty row of a packed pipeline: keep the graph, add nothing
             return sum(v.sum() for v in out.values()) * 0.0
         loss = ctx["loss_fn"](out, mb)
         return loss * (ctx["scales"][j] * len(ctx["parts"])) if ctx["weighted"] else loss
@@ -559,7 +539,7 @@ class ParallelModel:
         want = targets is None or bool(targets & set(self.plan.group_of(self.rank, "pp")))
         mine = dict(self.named_parameters())
         # this stage's parameters, gathered over its dp x tp ranks in metas' order (lazily, bucket by bucket)
-        owned = _full_tensors([mine[m[0]] for m in metas if m[3] == self.pp_rank], GATHER_BUCKET_BYTES)
+        owned = full_tensors([mine[m[0]] for m in metas if m[3] == self.pp_rank])
         for name, shape, dtype, owner in metas:
             if owner == self.pp_rank:
                 t, received = next(owned)
@@ -698,9 +678,9 @@ class ParallelModel:
         import pandas as pd
 
         row = {"rank": self.rank,
-               "weights": _bytes([p.data for p in self.params]),
+               "weights": storage_bytes([p.data for p in self.params]),
                "grads": self.last_grad_bytes,
-               "optimizer": _bytes([t for s in self.optimizer.state.values() for t in s.values()
+               "optimizer": storage_bytes([t for s in self.optimizer.state.values() for t in s.values()
                                     if torch.is_tensor(t) and t.dim() > 0])}
         row["activations"] = self.measure_activations(batch) if batch is not None else 0
         row["total"] = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
@@ -727,7 +707,7 @@ class ParallelModel:
             ids, am, labels = pk.input_ids, pk.segments, pk.labels
         else:
             m = self._micro_batches(batch)
-            mb = next(iter(_split(tensors, m)))
+            mb = next(iter(split_rows(tensors, m)))
             ids, am, labels = mb["input_ids"], mb["attention_mask"], mb["input_ids"]
         seen: dict[int, int] = {}
         param_ptrs = {local(p).untyped_storage().data_ptr() for p in self.params}
@@ -771,124 +751,6 @@ class ParallelModel:
         return min(m, pp - r)
 
 
-def _dim0_shard(p: torch.Tensor) -> tuple[dist.ProcessGroup, int, int] | None:
-    """``(group, its size, this rank's index in it)`` when ``p`` is split along dim 0 over one mesh dim of
-    size > 1 and replicated over the others (FSDP2's ``Shard(0)``, HSDP's ``(Replicate(), Shard(0))``);
-    None for any other layout (TP's Shard(1), 2D dp x tp, plain tensors), which ``full_tensor`` gathers."""
-    if not isinstance(p, DTensor) or p.dim() == 0:
-        return None
-    split = [i for i, pl in enumerate(p.placements) if not pl.is_replicate()]
-    if len(split) != 1:
-        return None
-    i = split[0]
-    # exactly Shard (not _StridedShard, whose rows interleave) and a group that really splits the rows
-    if type(p.placements[i]) is not Shard or p.placements[i].dim != 0 or p.device_mesh.size(i) == 1:
-        return None
-    mesh = p.device_mesh
-    return mesh.get_group(i), mesh.size(i), mesh.get_local_rank(i)
-
-
-def _chunk_rows(n: int, world: int) -> list[int]:
-    """Rows of a dim-0 size ``n`` on each of ``world`` ranks, split like ``torch.chunk`` (as DTensor's
-    Shard and FSDP2 split): ``ceil(n / world)`` each until they run out, so the last ranks may hold fewer or none."""
-    c = -(-n // world)
-    return [max(0, min(c, n - q * c)) for q in range(world)]
-
-
-def _row_bytes(p: torch.Tensor) -> int:
-    return math.prod(p.shape[1:]) * p.element_size()
-
-
-def _gather_runs(params: list[torch.Tensor], limit: int) -> Iterator[tuple[tuple | None, list[torch.Tensor]]]:
-    """``params`` cut, in order, into buckets ``(shard info, params)``: consecutive dim-0-sharded ones on one
-    group, dtype and device, up to ``limit`` gathered bytes (padding included; a larger one goes alone),
-    and ``(None, [p])`` for every other layout. Every rank of a group cuts the same way (shapes only)."""
-    run: list[torch.Tensor] = []
-    key, info, size = None, None, 0
-    for p in params:
-        this = _dim0_shard(p) if limit > 0 else None
-        k = None if this is None else (this[0].group_name, p.dtype, p.device)
-        nbytes = 0 if this is None else _chunk_rows(p.shape[0], this[1])[0] * this[1] * _row_bytes(p)
-        if run and (k != key or size + nbytes > limit):
-            yield info, run
-            run, size = [], 0
-        if this is None:
-            yield None, [p]
-            continue
-        run.append(p)
-        key, info, size = k, this, size + nbytes
-    if run:
-        yield info, run
-
-
-def _full_tensors(params: list[torch.Tensor], limit: int) -> Iterator[tuple[torch.Tensor, int]]:
-    """``(full tensor, bytes this rank received for it)`` for each of ``params``, in order: FSDP-sharded
-    ones a bucket at a time (``_gather_bucket``), the rest by ``full_tensor`` (a collective each)."""
-    scratch = _Scratch()
-    for info, run in _gather_runs(params, limit):
-        if info is None:
-            t = full(run[0].detach())
-            yield t, t.nbytes - local(run[0]).nbytes
-        else:
-            yield from _gather_bucket(run, *info, scratch)
-
-
-class _Scratch:
-    """The one buffer a gather's buckets reuse: a fresh large CPU allocation is mapped anew and faulted
-    in page by page, every bucket (the full tensors handed out are copies, so reusing it is safe)."""
-
-    def __init__(self) -> None:
-        self.buf: torch.Tensor | None = None
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        nbytes = numel * dtype.itemsize
-        if self.buf is None or self.buf.numel() < nbytes or self.buf.device != device:
-            self.buf = None  # the old one goes first: never two buffers at once
-            self.buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return self.buf[:nbytes].view(dtype)
-
-
-def _gather_bucket(params: list[torch.Tensor], group: dist.ProcessGroup, world: int, rank: int,
-                   scratch: _Scratch) -> Iterator[tuple[torch.Tensor, int]]:
-    """One exchange for a bucket of dim-0-sharded ``params``; yields each full tensor (a fresh copy).
-
-    Every rank lays its shards out flat in its own region of one buffer, each in a slot of the per-rank
-    chunk size (padding after a short or empty shard), so the regions line up; after the exchange a full
-    tensor is its rows from every rank's region, concatenated (``scratch`` holds the buffer)."""
-    rows = [_chunk_rows(p.shape[0], world) for p in params]
-    inner = [math.prod(p.shape[1:]) for p in params]
-    slots = [r[0] * k for r, k in zip(rows, inner)]
-    offsets = [sum(slots[:i]) for i in range(len(slots))]
-    region = sum(slots)
-    shards = [local(p.detach()) for p in params]
-    buf = scratch.take(world * region, params[0].dtype, shards[0].device)
-    own = buf[rank * region:(rank + 1) * region]
-    for p, shard, r, off in zip(params, shards, rows, offsets):
-        if shard.shape[0] != r[rank]:  # a layout other than torch.chunk's: the views below would be wrong
-            raise RuntimeError(f"a dim-0 shard of {tuple(p.shape)} holds {shard.shape[0]} rows on rank {rank} of "
-                               f"{world}; torch.chunk's split gives {r[rank]}")
-        own[off:off + shard.numel()].view(shard.shape).copy_(shard)
-    _exchange(buf, region, group, world, rank)
-    for p, shard, r, k, off in zip(params, shards, rows, inner, offsets):
-        parts = [buf[q * region + off:q * region + off + n * k].view(n, *p.shape[1:])
-                 for q, n in enumerate(r) if n > 0]
-        t = torch.cat(parts)  # a copy: the caller may keep it after the buffer is gone
-        yield t, t.nbytes - shard.nbytes
-
-
-def _exchange(buf: torch.Tensor, region: int, group: dist.ProcessGroup, world: int, rank: int) -> None:
-    """Fill each rank's ``region``-long slice of ``buf`` from that rank (this rank's own is filled)."""
-    if buf.device.type == "cpu":
-        # CPU tensors go over gloo, whose broadcast moves 1.0-1.5 GB/s between 2 local ranks against 0.35-0.5
-        # for its all-gather (16-128 MiB buckets, measured here): one broadcast from each rank of its region.
-        for q in range(world):
-            dist.broadcast(buf[q * region:(q + 1) * region], src=dist.get_global_rank(group, q), group=group)
-        return
-    # NCCL and the like: one in-place all-gather (FSDP2's own); all_gather_single is its newer name
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(buf, buf[rank * region:(rank + 1) * region], group=group)
-
-
 def _one_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0][:300] if text else ""
@@ -899,100 +761,6 @@ def _first_failure(e: CheckpointException) -> str:
     for rank, (err, _trace) in e.failures.items():
         return f"rank {rank}: {type(err).__name__}: {_one_line(err)}"
     return "no failure recorded"
-
-
-def loss_scales(weights: list[float], dp_size: int, dp_group: Any, device: torch.device) -> list[float]:
-    """Each micro-batch's factor in the step's objective ``sum(w * loss) / sum(w)`` over the micro-batches of every
-    DP rank, times ``dp_size``: every backend averages gradients over DP, and the factor undoes it. A collective
-    over ``dp_group`` when ``dp_size > 1``.
-
-    >>> loss_scales([1.0, 3.0], 1, None, torch.device("cpu"))
-    [0.25, 0.75]
-    """
-    total = torch.tensor(sum(weights), dtype=torch.float64, device=device)
-    if dp_size > 1:  # every rank of a DP group holds the same micro-batches: one sum over the groups
-        dist.all_reduce(total, group=dp_group)
-    tw = total.item()
-    return [w * dp_size / tw if tw > 0 else 0.0 for w in weights]
-
-
-def clip_grads(params: Iterable[torch.Tensor], norm: float, max_norm: float | None) -> None:
-    """Scale the gradients of ``params`` by ``max_norm / norm`` when their global ``norm`` exceeds it (None: off)."""
-    if max_norm is None or norm <= max_norm:
-        return
-    coef = max_norm / (norm + 1e-6)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef)
-
-
-def dp_slice(batch: dict[str, Any], dp_rank: int, dp_size: int) -> dict[str, Any]:
-    """DP rank ``dp_rank``'s slice of a global batch (tensors split along dim 0; other values kept): every
-    backend's ``shard_batch``.
-
-    >>> dp_slice({"input_ids": torch.arange(4)[:, None], "n": 1}, 1, 2)["input_ids"].tolist()
-    [[2], [3]]
-    """
-    n = _batch_size(batch)
-    if n % dp_size:
-        raise PlanError(f"global batch of {n} sequences is not divisible by dp={dp_size}; use a multiple of {dp_size}")
-    k = n // dp_size
-    return {key: v[dp_rank * k:(dp_rank + 1) * k] if torch.is_tensor(v) else v for key, v in batch.items()}
-
-
-def micro_batches(batch: dict[str, Any], m: int) -> list[dict[str, Any]]:
-    """A rank's batch cut into ``m`` equal micro-batches (a ``PlanError`` naming the fix when ``m`` does not
-    divide it).
-
-    >>> [mb["input_ids"].tolist() for mb in micro_batches({"input_ids": torch.arange(4)[:, None]}, 2)]
-    [[[0], [1]], [[2], [3]]]
-    """
-    n = _batch_size(batch)
-    if n % m:
-        raise PlanError(f"this rank's batch of {n} sequences does not split into micro_batches={m}; "
-                        f"use a per-DP-rank batch that is a multiple of {m} (global: dp*{m}*k)")
-    return list(_split(batch, m))
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's random states (torch, Python, CUDA), which a checkpoint keeps per rank for an exact resume."""
-    return {"torch_rng": torch.get_rng_state(), "py_rng": random.getstate(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Put back what ``rng_state`` returned."""
-    torch.set_rng_state(state["torch_rng"])
-    random.setstate(state["py_rng"])
-    if state["cuda_rng"] is not None:
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
-
-
-def _split(batch: dict[str, Any], m: int):
-    n = _batch_size(batch) // m
-    for j in range(m):
-        yield {k: v[j * n:(j + 1) * n] if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def _rows(batch: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
-    """The samples ``rows`` of a batch (tensors indexed along dim 0; other values kept)."""
-    rows = rows.to(batch["input_ids"].device)
-    return {k: v[rows] if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-def _batch_size(batch: dict[str, Any]) -> int:
-    if "input_ids" not in batch:
-        raise PlanError(f"batch needs 'input_ids'; got keys {sorted(batch)}")
-    return int(batch["input_ids"].shape[0])
-
-
-def _bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (local shards of DTensors)."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        s = local(t).untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
 
 
 def _hf_order(num_layers: int) -> list[str]:

@@ -32,9 +32,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from rlkit.errors import PlanError
 from rlkit.parallel.apply import DEFAULT_LAYER_PLAN
+from rlkit.parallel.gather import dim0_shard, full_tensors, storage_bytes
 from rlkit.parallel.groups import GenerationGroups
 from rlkit.parallel.lora import ADAPTER, hf_name, is_lora, module_of, scaling
-from rlkit.parallel.model import GATHER_BUCKET_BYTES, _bytes, _dim0_shard, _full_tensors
 
 if TYPE_CHECKING:
     from rlkit.parallel.model import ParallelModel
@@ -67,8 +67,8 @@ def tp_shard(name: str, full: torch.Tensor, tp: int, tp_rank: int, config: Any =
 
 def _wanted_whole(p: torch.Tensor, dim: int | None) -> bool:
     """Whether ``p``'s generation piece is the whole tensor gathered from an FSDP dim-0 shard (no TP cut
-    of it to keep): then it can come in a bucket with others (``rlkit.parallel.model._full_tensors``)."""
-    if _dim0_shard(p) is None:
+    of it to keep): then it can come in a bucket with others (``rlkit.parallel.gather.full_tensors``)."""
+    if dim0_shard(p) is None:
         return False
     names = p.device_mesh.mesh_dim_names or ()
     return dim is None or all(n != "tp" or size == 1 for n, size in zip(names, p.device_mesh.shape))
@@ -132,14 +132,14 @@ class Resharder:
         mine = dict(pm.named_parameters())
         shards: dict[str, torch.Tensor] = {}
         received = 0
-        peak = held = _bytes(pm.params)
+        peak = held = storage_bytes(pm.params)
         group_size = len(self.members)
         metas = pm._param_meta()
         # LoRA: an adapter travels whole (it is small) and is merged into its layer's shard below
         dims = {name: None if is_lora(name) else shard_dim(hf_name(name), pm.config) for name, *_ in metas}
         # FSDP-sharded weights wanted whole are gathered in buckets (one exchange each), in this loop's order
         whole = [name for name, _, _, owner in metas if owner == pm.pp_rank and _wanted_whole(mine[name], dims[name])]
-        gathered_whole = _full_tensors([mine[name] for name in whole], GATHER_BUCKET_BYTES)
+        gathered_whole = full_tensors([mine[name] for name in whole])
         whole = set(whole)
         for name, shape, dtype, owner in metas:
             dim = dims[name]
@@ -209,7 +209,7 @@ class Resharder:
         if getattr(pm.config, "tie_word_embeddings", False) and "lm_head.weight" not in shards:
             shards["lm_head.weight"] = shards["model.embed_tokens.weight"]
         self.shards = shards
-        check = _bytes(list(pm.params) + list(shards.values()))
+        check = storage_bytes(list(pm.params) + list(shards.values()))
         stats = {"bytes": float(received), "seconds": time.perf_counter() - t0,
                  "peak_param_bytes": float(max(peak, check)), "param_bytes": float(check)}
         return shards, stats

@@ -179,9 +179,9 @@ class Stage(nn.Module):
         pe = self.model.rotary_emb(h, position_ids=pos)
         for layer in self.model.layers.values():
             if self.ac and torch.is_grad_enabled():
-                h = checkpoint(_run_layer, layer, h, mask, pos, pe, use_reentrant=False)
+                h = checkpoint(run_layer, layer, h, mask, pos, pe, use_reentrant=False)
             else:
-                h = _run_layer(layer, h, mask, pos, pe)
+                h = run_layer(layer, h, mask, pos, pe)
         if not self.last:
             return h
         h = self.model.norm(h)
@@ -191,7 +191,9 @@ class Stage(nn.Module):
                               entropy_grad=self.entropy_grad)
 
 
-def _run_layer(layer: nn.Module, h, mask, pos, pe):
+def run_layer(layer: nn.Module, h, mask, pos, pe):
+    """One HF decoder layer on hidden states ``h`` (explicit 4D ``mask``, position ids and rotary embeddings),
+    its hidden states out, whatever the transformers version returns (a tensor or a tuple)."""
     out = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=pe)
     return out[0] if isinstance(out, tuple) else out
 

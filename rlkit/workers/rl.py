@@ -36,6 +36,7 @@ from rlkit.algos.offpolicy import importance_weights
 from rlkit.backends import Backend, make_model
 from rlkit.parallel import ParallelModel
 from rlkit.parallel.groups import build_generation_groups, build_groups
+from rlkit.parallel.kit import batch_rows, split_rows
 from rlkit.parallel.lora import scaling
 from rlkit.plan.hybrid import GenerationLayout
 from rlkit.plan.topology import ParallelPlan
@@ -106,7 +107,7 @@ class RLWorker:
         # train_backend, not backend: a worker group's own `backend` is torch.distributed's (gloo / nccl)
         self.backend = backend = train_backend or Backend()
         groups = None
-        if backend.name == "torch":  # the other backends build their own groups, in the same rank order
+        if backend.caps.rlkit_groups:  # the other backends build their own groups, in the same rank order
             config = AutoConfig.from_pretrained(str(model_path))
             groups = build_groups(plan, tied_ends=bool(getattr(config, "tie_word_embeddings", False)) and plan.pp > 1)
         common = dict(max_grad_norm=max_grad_norm, seed=seed, eps=1e-6, precision=precision, groups=groups)
@@ -124,12 +125,12 @@ class RLWorker:
         self.dp_rank = plan.coords(self.rank)["dp"]
         self.hybrid = None
         gen_tp = rollout.tp
-        if gen_tp is None and colocate_rollout and backend.name == "torch" and \
+        if gen_tp is None and colocate_rollout and backend.caps.generation_layout and \
                 _can_share_actor_weights(rollout, model_path, plan, self.actor):
             gen_tp = 1  # one rank: the engine generates with the actor's own tensors (no second model to sync)
         if gen_tp is not None and colocate_rollout:  # every rank generates, in the generation layout
-            layout = GenerationLayout(plan, gen_tp)
-            self.hybrid = HybridRollout(model_path, self.actor, build_generation_groups(layout), rollout)
+            gen_layout = GenerationLayout(plan, gen_tp)
+            self.hybrid = HybridRollout(model_path, self.actor, build_generation_groups(gen_layout), rollout)
         # split placement: the engines live in their own RolloutWorker group instead
         self.engine_ranks = sorted(plan.rank(dp=d, tp=0, pp=plan.pp - 1) for d in range(plan.dp)) \
             if colocate_rollout and self.hybrid is None else []
@@ -430,16 +431,16 @@ def _epochs(model: ParallelModel, batch: dict[str, Any], settings: UpdateSetting
     """``settings.epochs`` passes over the batch, ``settings.minibatches`` optimizer steps each; each step's
     objective is the loss over its whole minibatch (every DP rank's part), however it is micro-batched."""
     results = [model.train_step(mb, loss_fn, lambda part: loss_weight(part, agg)) for _epoch in range(settings.epochs)
-               for mb in _split(batch, settings.minibatches)]
+               for mb in _minibatches(batch, settings.minibatches)]
     return _summarize(results, stats, role)
 
 
-def _split(batch: dict[str, Any], k: int) -> list[dict[str, Any]]:
-    n = next(v.shape[0] for v in batch.values() if torch.is_tensor(v))
+def _minibatches(batch: dict[str, Any], k: int) -> list[dict[str, Any]]:
+    """This DP rank's batch in ``k`` PPO minibatches (``rlkit.parallel.kit.split_rows``)."""
+    n = batch_rows(batch)
     if n % k:
         raise ValueError(f"this DP rank's {n} samples do not split into minibatches={k}")
-    s = n // k
-    return [{key: v[i * s:(i + 1) * s] if torch.is_tensor(v) else v for key, v in batch.items()} for i in range(k)]
+    return list(split_rows(batch, k))
 
 
 def _summarize(results: list[dict[str, float]], stats: list[dict[str, float]], role: str) -> dict[str, float]:

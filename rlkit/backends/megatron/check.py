@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from typing import Any
 
 import torch
@@ -22,25 +21,16 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from rlkit.errors import CheckpointError
-from rlkit.parallel.check import make_batch, ppo_loss, reference_forward, value_loss
-from rlkit.parallel.model import load_hf
+from rlkit.parallel.check import (
+    make_batch,
+    max_over_ranks,
+    ppo_loss,
+    reference_forward,
+    response_tokens,
+    value_loss,
+)
+from rlkit.parallel.kit import load_hf, missing_members, split_rows
 from rlkit.plan.topology import ParallelPlan
-
-
-def _max(x: float) -> float:
-    t = torch.tensor(float(x), dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    v = t.item()
-    return v if math.isfinite(v) else float("inf")
-
-
-def _response_tokens(mb: dict[str, torch.Tensor]) -> float:
-    return float(mb["response_mask"].sum())
-
-
-def _chunks(b: dict[str, torch.Tensor], k: int) -> list[dict[str, torch.Tensor]]:
-    n = b["input_ids"].shape[0] // k
-    return [{key: v[i * n:(i + 1) * n] for key, v in b.items()} for i in range(k)]
 
 
 def run_check(model: str, plan: ParallelPlan, *, head: str = "lm", steps: int = 3, seq_len: int = 16,
@@ -78,8 +68,8 @@ def run_check(model: str, plan: ParallelPlan, *, head: str = "lm", steps: int = 
         batches.append(b)
 
     def ref_step(b: dict[str, torch.Tensor], do_step: bool = True, weighted: bool = False) -> float:
-        chunks = [c for d in _chunks(b, plan.dp) for c in _chunks(d, m)]
-        w = [_response_tokens(c) if weighted else 1.0 for c in chunks]
+        chunks = [c for d in split_rows(b, plan.dp) for c in split_rows(d, m)]
+        w = [response_tokens(c) if weighted else 1.0 for c in chunks]
         loss = sum(wi * loss_fn(reference_forward(ref, ref_vh, c), c) for wi, c in zip(w, chunks)) / sum(w)
         loss.backward()
         if do_step:
@@ -88,7 +78,8 @@ def run_check(model: str, plan: ParallelPlan, *, head: str = "lm", steps: int = 
             ref_opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    rep: dict[str, Any] = {"plan": plan.describe(), "head": head, "shim": shim.installed()}
+    rep: dict[str, Any] = {"plan": plan.describe(), "head": head, "shim": shim.installed(),
+                           "interface_missing": missing_members(mm)}
     mine = mm.shard_batch(batches[0])
     with torch.no_grad():
         ref_out = reference_forward(ref, ref_vh, mine)
@@ -96,13 +87,13 @@ def run_check(model: str, plan: ParallelPlan, *, head: str = "lm", steps: int = 
     am = mine["attention_mask"].bool()
     valid = am if head == "value" else am & torch.cat([torch.zeros_like(am[:, :1]), am[:, :-1]], 1)
     for k in got:
-        rep[f"max_d{k.rstrip('s')}"] = _max(((got[k] - ref_out[k]).abs() * valid).max().item())
+        rep[f"max_d{k.rstrip('s')}"] = max_over_ranks(((got[k] - ref_out[k]).abs() * valid).max().item())
     if head == "lm":  # set_scoring: columns before first_column come back 0, the others unchanged
         first = seq_len // 2
         mm.set_scoring(first_column=first, entropy_grad=False)
         part = mm.logprobs(mine["input_ids"], mine["attention_mask"])
         mm.set_scoring(first_column=1, entropy_grad=True)
-        rep["scoring_exact"] = _max(max(float(part[k][:, :first].abs().max()) for k in part) +
+        rep["scoring_exact"] = max_over_ranks(max(float(part[k][:, :first].abs().max()) for k in part) +
                                     max(float((part[k][:, first:] - got[k][:, first:]).abs().max()) for k in part))
 
     rep["loss"] = mm.forward_backward(mine, loss_fn)
@@ -111,7 +102,7 @@ def run_check(model: str, plan: ParallelPlan, *, head: str = "lm", steps: int = 
     for name, g in mm.iter_full_grads(to="all"):
         names.append(name)
         dgrad = max(dgrad, (g - ref_named[name].grad).abs().max().item())
-    rep["max_dgrad"] = _max(dgrad)
+    rep["max_dgrad"] = max_over_ranks(dgrad)
     rep["grads_cover_all"] = sorted(names) == sorted(ref_named)
     rep["grad_norm"] = mm.grad_norm()
     rep["ref_grad_norm"] = torch.nn.utils.get_total_norm([p.grad for p in ref_params]).item()
@@ -123,7 +114,7 @@ def run_check(model: str, plan: ParallelPlan, *, head: str = "lm", steps: int = 
     ckpt = mm.save(f"{ckpt_dir}/step{mm.step}") if ckpt_dir else None
     losses = [rep["loss"]]
     for i, b in enumerate(batches[1:]):  # the second step weighs micro-batches by their response tokens
-        weight_fn = _response_tokens if i == 0 else None
+        weight_fn = response_tokens if i == 0 else None
         out = mm.train_step(mm.shard_batch(b), loss_fn, weight_fn)
         losses.append(out["loss"])
         ref_loss = ref_step(b, weighted=weight_fn is not None)
@@ -151,14 +142,14 @@ def run_check(model: str, plan: ParallelPlan, *, head: str = "lm", steps: int = 
             rep["max_dlogprob_gathered_model"] = ((a - b).abs() * valid).max().item()
         else:
             rep["strict_load"] = sorted(sd) == sorted(ref_named)
-    rep["max_dweight"] = _max(rep.get("max_dweight", 0.0))
+    rep["max_dweight"] = max_over_ranks(rep.get("max_dweight", 0.0))
     rep["memory"] = mm.memory().to_dict(orient="records")
 
     if ckpt is not None:
         mm.load(ckpt)
         rep["resume_step"] = mm.step
         for i, b in enumerate(batches[1:]):
-            mm.train_step(mm.shard_batch(b), loss_fn, _response_tokens if i == 0 else None)
+            mm.train_step(mm.shard_batch(b), loss_fn, response_tokens if i == 0 else None)
         sd2 = mm.full_state_dict(to=0)
         if rank == 0:
             rep["resume_max_dweight"] = max((sd2[k] - sd[k]).abs().max().item() for k in sd)

@@ -35,8 +35,7 @@ from rlkit.backends.families import (
 )
 from rlkit.backends.megatron import convert, shim
 from rlkit.errors import CheckpointError, PlanError
-from rlkit.parallel.loading import CheckpointReader, can_load_sharded, empty_model
-from rlkit.parallel.model import (
+from rlkit.parallel.kit import (
     LossFn,
     WeightFn,
     clip_grads,
@@ -47,6 +46,7 @@ from rlkit.parallel.model import (
     restore_rng_state,
     rng_state,
 )
+from rlkit.parallel.loading import CheckpointReader, can_load_sharded, empty_model
 from rlkit.parallel.stage import causal_padding_mask, position_ids_from_mask, token_logprobs
 from rlkit.plan.topology import ParallelPlan
 
