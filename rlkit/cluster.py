@@ -339,6 +339,11 @@ class Cluster:
                              f"pool.remove()")
         return lines
 
+    def forget_pool(self, pool: ResourcePool) -> None:
+        """Drop ``pool`` from this cluster's pools (its ``remove`` calls this)."""
+        if pool in self._pools:
+            self._pools.remove(pool)
+
     def release_orphans(self) -> int:
         """Shut down worker groups whose owner (a Trainer) no longer exists; returns how many."""
         import gc

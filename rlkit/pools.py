@@ -13,15 +13,25 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rlkit.errors import ClusterError, PlanError
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from rlkit.cluster import Cluster
     from rlkit.plan.topology import ParallelPlan
+
+
+class PoolOwner(Protocol):
+    """What a ``ResourcePool`` asks of the cluster that made it (``rlkit.Cluster``), so this module needs no
+    import of the cluster's."""
+
+    def release_orphans(self) -> int: ...
+
+    def holders(self) -> list[str]: ...
+
+    def forget_pool(self, pool: ResourcePool) -> None: ...
 
 
 def format_bundle(bundle: dict[str, float]) -> str:
@@ -56,7 +66,7 @@ class ResourcePool:
     True
     """
 
-    def __init__(self, cluster: Cluster, name: str, world_size: int, bundle: dict[str, float],
+    def __init__(self, cluster: PoolOwner, name: str, world_size: int, bundle: dict[str, float],
                  chunks: list[list[int]], colocate: int = 1) -> None:
         if isinstance(colocate, bool) or not isinstance(colocate, int) or colocate < 1:
             raise PlanError(f"colocate={colocate!r} must be a positive integer (roles sharing the bundles)")
@@ -171,8 +181,7 @@ class ResourcePool:
                 except Exception:  # already gone (cluster shut down / removed before)
                     pass
         self.placement_groups = []
-        if self in self.cluster._pools:
-            self.cluster._pools.remove(self)
+        self.cluster.forget_pool(self)
 
     def __repr__(self) -> str:
         return (f"ResourcePool({self.name!r}, {self.world_size} ranks of {self.bundle}, "

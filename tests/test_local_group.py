@@ -32,7 +32,7 @@ def test_in_process_trainer_equals_the_ray_worker_and_shares_the_actors_weights(
         assert local.group.info[0]["pid"] == __import__("os").getpid()
         worker = local.group.obj
         # the engine is the actor: the generation layout with t_g = 1 aliases the training tensors
-        assert worker.engine is None and worker.hybrid is not None and worker.hybrid.layout.tp == 1
+        assert worker.engine is None and worker.hybrid is not None and worker.hybrid.gen_layout.tp == 1
         shards, _ = worker.hybrid.resharder.reshard()
         actor = dict(worker.actor.named_parameters())
         assert all(shards[n].data_ptr() == actor[n].data_ptr() for n in shards if n in actor)

@@ -202,7 +202,7 @@ def run_episodes(engine: Any, agent: Agent, prompts: list[str] | list[list[int]]
         room = max(R - len(e.response) for e in active)
         turn_cfg = cfg.with_overrides(n=1, max_new_tokens=min(cfg.max_new_tokens, room), stop_token_ids=stops)
         tg = time.perf_counter()
-        out_ids, out_lp, out_why = engine._generate_ids([e.prompt + e.response for e in active], turn_cfg,
+        out_ids, out_lp, out_why = engine.generate_ids([e.prompt + e.response for e in active], turn_cfg,
                                                         [turn_seed(e.seed, e.sample, turn) for e in active])
         t_gen += time.perf_counter() - tg
         replies: list[tuple[_Episode, list[dict[str, Any]]]] = []  # the messages each episode gets back

@@ -15,10 +15,10 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from rlkit import atomic
 
 SPECIAL_TOKENS = ["<pad>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -163,19 +163,10 @@ def build_and_save(cfg: Any, out: Path, auto_cls: Any, seed: int) -> str:
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.pad_token_id = cfg.pad_token_id
         model.generation_config.eos_token_id = cfg.eos_token_id
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    # a complete folder from a concurrent builder is kept; a leftover without weights is replaced
+    with atomic.folder(out, keep_existing=lambda p: (p / "config.json").exists()) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        try:
-            os.rename(tmp, out)
-        except OSError:  # someone else finished first, or out exists: keep theirs
-            if not (out / "config.json").exists():  # a leftover without weights: replace it
-                shutil.rmtree(out, ignore_errors=True)
-                os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
 
 

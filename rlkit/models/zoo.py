@@ -34,13 +34,12 @@ import functools
 import importlib.metadata
 import importlib.util
 import json
-import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlkit import atomic
 from rlkit.hub import ModelRefError, check_checkpoint, resolve_model
 from rlkit.models.tiny import cache_dir
 
@@ -136,8 +135,9 @@ def _convert_once(name: str, entry: Known) -> str:
     gguf = _gguf_path(name, entry)
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    # a complete folder from a concurrent converter is kept; an incomplete one (files deleted by hand, an older
+    # FORMAT) is replaced
+    with atomic.folder(out, keep_existing=_complete) as tmp:
         start = time.perf_counter()
         _convert(gguf, tmp)
         try:
@@ -148,31 +148,13 @@ def _convert_once(name: str, entry: Known) -> str:
         marker = {"format": FORMAT, "name": name, "source": f"pypi:{entry.dist}=={version}", "file": entry.file,
                   "about": entry.about, "convert_s": round(time.perf_counter() - start, 1)}
         (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")  # last: the folder is complete
-        _move_into_place(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return str(out)
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename ``tmp`` to ``out`` atomically; a complete ``out`` from a concurrent converter is kept, an
-    incomplete one (files deleted by hand, an older FORMAT) is moved aside and replaced."""
-    if out.exists() and not _complete(out):
-        aside = Path(tempfile.mkdtemp(prefix=f".{out.name}-old-", dir=out.parent))
-        with contextlib.suppress(OSError):
-            os.rename(out, aside / out.name)
-        shutil.rmtree(aside, ignore_errors=True)
-    try:
-        os.rename(tmp, out)
-    except OSError:  # someone else finished first: keep theirs
-        if not _complete(out):
-            raise
 
 
 def _remove_stale_tmp(out: Path) -> None:
     """Temp folders of conversions that crashed long ago (a live one is minutes old)."""
     now = time.time()
-    for p in out.parent.glob(f".{out.name}-*"):
+    for p in out.parent.glob(f".{out.name}.*-*"):  # rlkit.atomic's temp names: .<name>.tmp-<id>, .<name>.old-<id>
         with contextlib.suppress(OSError):
             if p.is_dir() and now - p.stat().st_mtime > STALE_TMP_S:
                 shutil.rmtree(p, ignore_errors=True)

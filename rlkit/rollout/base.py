@@ -247,7 +247,7 @@ def named_tensor_items(named_tensors: Iterable[tuple[str, torch.Tensor]] | dict[
 class RolloutEngine(ABC):
     """Generates responses and takes weight updates; see ``HFEngine`` and ``VLLMEngine``.
 
-    Subclasses implement ``_generate_ids`` (token ids in, per-sample token ids + log-probs out) and
+    Subclasses implement ``generate_ids`` (token ids in, per-sample token ids + log-probs out) and
     ``load_weights``; prompt handling, seeding per call and batch assembly are shared here.
 
     >>> from rlkit.models import tiny_lm
@@ -268,10 +268,12 @@ class RolloutEngine(ABC):
 
     # -- what an engine implements ------------------------------------------------------------------
     @abstractmethod
-    def _generate_ids(self, prompts: list[list[int]], cfg: Rollout, seeds: list[int]
+    def generate_ids(self, prompts: list[list[int]], cfg: Rollout, seeds: list[int]
                       ) -> tuple[list[list[int]], list[list[float]], list[str]]:
         """For each prompt, ``cfg.n`` samples in order: (response ids, log-probs, finish reasons).
-        ``seeds[i]`` seeds prompt i's samples alone (see ``prompt_seeds``)."""
+        ``seeds[i]`` seeds prompt i's samples alone (see ``prompt_seeds``). The engine's token-level entry:
+        ``generate`` wraps it for prompts as text or chat, and multi-turn episodes (``rlkit.agent``) call it for
+        each turn's continuation."""
 
     @abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
@@ -350,7 +352,7 @@ class RolloutEngine(ABC):
             return RolloutBatch.empty(self.pad_token_id, skipped)
         kept = [ids[i] for i in keep]
         seeds = prompt_seeds(seed, first_index, len(ids))
-        responses, logprobs, reasons = self._generate_ids(kept, cfg, [seeds[i] for i in keep])
+        responses, logprobs, reasons = self.generate_ids(kept, cfg, [seeds[i] for i in keep])
         t2 = time.perf_counter()
         texts = (self.tokenizer.batch_decode(responses, skip_special_tokens=True) if self.tokenizer is not None
                  else [""] * len(responses))

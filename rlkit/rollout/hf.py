@@ -238,7 +238,7 @@ class HFEngine(RolloutEngine):
                                 temperature=None, top_k=None, top_p=None)
 
     @torch.no_grad()
-    def _generate_ids(self, prompts, cfg, seeds):
+    def generate_ids(self, prompts, cfg, seeds):
         with eval_mode(self.model):
             return self._generate_chunks(prompts, cfg, seeds)
 

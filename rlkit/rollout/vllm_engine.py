@@ -164,7 +164,7 @@ class VLLMEngine(RolloutEngine):
                       include_stop_str_in_output=True, skip_special_tokens=True)
         return [SamplingParams(seed=s, **common) for s in seeds]
 
-    def _generate_ids(self, prompts, cfg, seeds):
+    def generate_ids(self, prompts, cfg, seeds):
         if cfg.script:
             raise RolloutError(SCRIPT_HF_ONLY)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],

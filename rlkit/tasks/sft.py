@@ -11,12 +11,11 @@ import hashlib
 import json
 import math
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from rlkit import atomic
 from rlkit.tasks.base import Rows
 
 LOG_NAME = "sft_log.json"
@@ -171,20 +170,13 @@ def sft_warmstart(model_path: str, task: Any, steps: int = 1000, lr: float = 3e-
         torch.use_deterministic_algorithms(deterministic_before)
     model.eval()
 
-    # Write to a temp folder and rename, so a half-written folder is never mistaken for a result.
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
+    # a half-written folder is never mistaken for a result (rlkit.atomic); an older one is replaced
+    with atomic.folder(out_dir) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         log = dict(key, losses=losses, seconds=seconds, first_loss=losses[0],
                    last_loss=sum(losses[-10:]) / len(losses[-10:]))
         (tmp / LOG_NAME).write_text(json.dumps(log, indent=1))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.rename(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return str(out_dir)
 
 

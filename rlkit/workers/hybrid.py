@@ -47,12 +47,12 @@ class HybridRollout:
     """
 
     def __init__(self, model_path: str, actor: ParallelModel, groups: GenerationGroups, rollout: Rollout):
-        self.actor, self.layout, self.rollout = actor, groups.layout, rollout
+        self.actor, self.gen_layout, self.rollout = actor, groups.layout, rollout
         self.rank = actor.rank
         self.resharder = Resharder(actor, groups)
-        c = self.layout.coords(self.rank)
+        c = self.gen_layout.coords(self.rank)
         self.group_index, self.gen_tp = c["group"], c["gen_tp"]
-        plan = self.layout.plan
+        plan = self.gen_layout.plan
         self.collector = plan.rank(dp=c["dp"], tp=0, pp=plan.pp - 1)
         # the replica's ranks (all tp x pp of one dp index): results are gathered inside it
         self.replica_group, self.replica_ranks = groups.replica, groups.replica_ranks
@@ -63,7 +63,7 @@ class HybridRollout:
             from rlkit.rollout.base import load_tokenizer
             from rlkit.rollout.hf import HFEngine
 
-            self.shell, self.slots = _engine_shell(model_path, actor, self.layout.tp, groups.tp_mesh)
+            self.shell, self.slots = _engine_shell(model_path, actor, self.gen_layout.tp, groups.tp_mesh)
             self.engine = HFEngine(self.shell, load_tokenizer(model_path), rollout)
             self.engine.device = actor.device
         self.held = False  # the generation shard is in the engine (between reshard and release)
@@ -94,7 +94,7 @@ class HybridRollout:
         if not self.held:
             self.reshard()
         try:
-            sl = self.layout.prompt_slices(len(batch["prompt"]))[self.group_index]
+            sl = self.gen_layout.prompt_slices(len(batch["prompt"]))[self.group_index]
             part = None
             if sl.stop > sl.start:
                 sub = {k: list(batch[k])[sl] for k in ("prompt", "uid", "row", "env_row") if k in batch}
