@@ -195,6 +195,18 @@ class TrainerConfig:
                                           "level": self.offpolicy_level} if self.fused_offpolicy() else None),
                               **extra)
 
+    def passes(self, needs: Any) -> Any:
+        """The scoring passes of this config's steps for an estimator's ``rlkit.algos.Needs``
+        (``Needs.passes``; the off-policy correction fused into the update when ``fused_offpolicy``).
+
+        >>> from rlkit.algos import Needs
+        >>> TrainerConfig(epochs=2).passes(Needs()).old_logprobs
+        True
+        """
+        return needs.passes(kl_coef=self.kl_coef, kl_in_reward=self.kl_in_reward, epochs=self.epochs,
+                            minibatches=self.minibatches, offpolicy_correction=self.offpolicy_correction,
+                            fused_offpolicy=self.fused_offpolicy())
+
     def fused_offpolicy(self) -> bool:
         """Whether the off-policy correction runs inside the update, on pi_old from the update's own forward
         (no scoring pass before it): one optimizer step per batch (``epochs = minibatches = 1``, so the

@@ -128,7 +128,7 @@ class Trainer:
         self.backend = inputs.check_backend(self.config, self.plan, self.model_path, self.rollout)
         inputs.check_off_policy(self.config, self.placement)
         inputs.check_generation_layout(self.rollout, self.placement, self.model_path)
-        self.uses_reference = self.config.kl_coef > 0 or self.algo.needs_reference
+        self.passes = self.config.passes(self.algo.needs)  # what each step scores between generate and update
         self.step = 0
         self._rows_log: list[dict[str, Any]] = []
         self._timeline: list[dict[str, Any]] = []  # when each step's phases ran (Trainer.timeline)
@@ -152,7 +152,7 @@ class Trainer:
         self._holder_label = (f"Trainer({self.algorithm}, {self.plan.describe().split(' =')[0]}, made "
                               f"{time.strftime('%H:%M:%S')})")
         worker_kwargs = dict(rollout=self.rollout, actor_lr=c.lr, critic_lr=c.critic_lr, max_grad_norm=c.max_grad_norm,
-                             need_ref=self.uses_reference, need_critic=self.algo.needs_critic, precision=c.precision,
+                             need_ref=self.passes.reference, need_critic=self.passes.values, precision=c.precision,
                              padding_free=inputs.padding_free(c, self.plan), micro_batch_tokens=c.micro_batch_tokens,
                              lora=c.lora, agent=self.agent, train_backend=self.backend)
         self.workers, self.cluster = RLWorkers.start(
@@ -287,29 +287,27 @@ class Trainer:
         In place; returns the batch (a second call does nothing)."""
         if batch.estimated:
             return batch
-        c, t, w, gen = self.config, batch.timings, self._live_workers(), batch.gen
+        t, w, gen = batch.timings, self._live_workers(), batch.gen
         tensors = {k: gen[k] for k in ("input_ids", "attention_mask", "response_mask", "loss_mask", "policy_version")
                    if k in gen}
         valid = torch.isfinite(batch.rewards)
         mask = self.layout.loss_mask(tensors)
         mask *= valid[:, None].float()  # samples whose reward is NaN are skipped (counted in the row)
         scores = torch.nan_to_num(batch.rewards, nan=0.0)
-        if self.uses_reference:
+        p = self.passes  # decided once (rlkit.algos.Needs.passes)
+        if p.reference:
             with _timer(t, "ref"):
                 tensors["ref_logprobs"] = w.ref_logprobs(tensors)
-        if self.algo.needs_critic:
+        if p.values:
             with _timer(t, "values"):
                 tensors["values"] = w.values(tensors)
-        # ratio != 1 after the first optimizer step: keep pi_old; the off-policy correction weighs by pi_old / mu,
-        # inside the update when its own forward is pi_old (one optimizer step per batch: no pass here)
-        fused = c.fused_offpolicy()
-        if fused:
+        if p.fused_offpolicy:  # the update weighs by pi_old / mu on its own first forward
             tensors["behaviour_logprobs"] = gen["rollout_logprobs"]
-        if c.epochs > 1 or c.minibatches > 1 or (c.offpolicy_correction is not None and not fused):
+        if p.old_logprobs:
             with _timer(t, "old_logprobs"):
                 tensors["old_logprobs"] = w.old_logprobs(tensors)
         sampling_logprobs = tensors.get("old_logprobs")
-        if c.kl_coef > 0 and c.kl_in_reward and sampling_logprobs is None:  # the KL penalty needs pi_old
+        if p.kl_old_logprobs:  # the KL penalty in the reward needs pi_old
             with _timer(t, "old_logprobs"):
                 sampling_logprobs = w.old_logprobs(tensors)
         with _timer(t, "advantage"):
@@ -331,7 +329,7 @@ class Trainer:
         t, w = batch.timings, self._live_workers()
         settings = self.update_settings()
         critic = {}
-        if self.algo.needs_critic:
+        if self.passes.values:
             with _timer(t, "update_critic"):
                 critic = w.update_critic(batch.tensors, settings)
         started = time.time()

@@ -38,6 +38,7 @@ from rlkit.algos.registry import (
     POLICY_LOSSES,
     Algorithm,
     Needs,
+    Passes,
     call_policy_loss,
     compute_advantages,
     estimator_options,
@@ -56,7 +57,7 @@ for _name, _estimator in (("grpo", "grpo"), ("drgrpo", "drgrpo"), ("rloo", "rloo
     register_algorithm(_name, advantage=_estimator)
 
 __all__ = [
-    "ADVANTAGES", "AGG_MODES", "ALGORITHMS", "KL_KINDS", "NEEDS", "POLICY_LOSSES", "Algorithm", "Needs",
+    "ADVANTAGES", "AGG_MODES", "ALGORITHMS", "KL_KINDS", "NEEDS", "POLICY_LOSSES", "Algorithm", "Needs", "Passes",
     "register_advantage", "get_advantage", "compute_advantages", "register_policy_loss", "get_policy_loss",
     "call_policy_loss", "estimator_options", "register_algorithm", "get_algorithm", "known_algorithms",
     "gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",

@@ -51,6 +51,33 @@ class Needs:
     min_samples: int = 1
     reference: bool = False
 
+    def passes(self, *, kl_coef: float = 0.0, kl_in_reward: bool = False, epochs: int = 1, minibatches: int = 1,
+               offpolicy_correction: str | None = None, fused_offpolicy: bool = False) -> Passes:
+        """The scoring passes a step runs between ``generate`` and ``update`` for this estimator under the
+        config's knobs (``TrainerConfig.passes``): decided here, once per run, and nowhere else.
+
+        >>> Needs(critic=True).passes(epochs=2)
+        Passes(reference=False, values=True, old_logprobs=True, kl_old_logprobs=False, fused_offpolicy=False)
+        >>> Needs().passes(kl_coef=0.1, kl_in_reward=True).kl_old_logprobs
+        True
+        """
+        # pi_old: its own pass when the update takes several optimizer steps on the batch (the ratio is no
+        # longer 1 after the first), or for an off-policy correction the update cannot take on its first forward
+        old = epochs > 1 or minibatches > 1 or (offpolicy_correction is not None and not fused_offpolicy)
+        return Passes(reference=kl_coef > 0 or self.reference, values=self.critic, old_logprobs=old,
+                      kl_old_logprobs=kl_coef > 0 and kl_in_reward and not old, fused_offpolicy=fused_offpolicy)
+
+
+@dataclass(frozen=True)
+class Passes:
+    """What a step computes between ``generate`` and ``update`` (``Needs.passes``)."""
+
+    reference: bool = False        # the reference model's log-probs (a KL, or an estimator that needs them)
+    values: bool = False           # the critic's values
+    old_logprobs: bool = False     # pi_old, scored before the update (kept in the batch for every minibatch)
+    kl_old_logprobs: bool = False  # pi_old for the KL penalty in the reward alone (when old_logprobs is off)
+    fused_offpolicy: bool = False  # the off-policy correction inside the update, on its own first forward
+
 
 ADVANTAGES: dict[str, Advantage] = {}     # name -> estimator; add yours with @register_advantage("name")
 NEEDS: dict[str, Needs] = {}              # name -> what the estimator needs
@@ -297,6 +324,6 @@ def known_algorithms() -> list[str]:
     return sorted(ALGORITHMS) + sorted(set(ADVANTAGES) - set(ALGORITHMS))
 
 
-__all__ = ["ADVANTAGES", "ALGORITHMS", "Algorithm", "NEEDS", "Needs", "POLICY_LOSSES", "call_policy_loss",
+__all__ = ["ADVANTAGES", "ALGORITHMS", "Algorithm", "NEEDS", "Needs", "POLICY_LOSSES", "Passes", "call_policy_loss",
            "compute_advantages", "estimator_options", "get_advantage", "get_algorithm", "get_policy_loss", "known_algorithms",
            "register_advantage", "register_algorithm", "register_policy_loss"]
