@@ -10,7 +10,6 @@ functions on tensors, picked by name from its registry. The inputs and their che
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import os
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from rlkit import atomic, inputs
+from rlkit.ahead import AheadQueue
 from rlkit.algos import get_algorithm, get_policy_loss, known_algorithms
 from rlkit.config import TrainerConfig
 from rlkit.data import heldout_split
@@ -138,8 +138,8 @@ class Trainer:
         self.runs = RunDir(self.run_dir)
         self.cluster, self.workers = cluster, None
         self._stop: StopOnInterrupt | None = None  # fit's Ctrl-C handler while it runs
-        # asynchronous RL: generations in flight, (step, PendingBatch, its sync), and the version the engines hold
-        self._ahead: collections.deque = collections.deque()
+        # asynchronous RL: the generations in flight (rlkit.ahead), and the version the engines hold
+        self._ahead = AheadQueue()
         self._engine_version, self._last_sync = -1, None
         self._start_workers()
 
@@ -222,11 +222,7 @@ class Trainer:
         return self.update(self.estimate(batch))
 
     def _put_back(self, batch: StepBatch) -> None:
-        from rlkit.workers.rl_workers import PendingBatch, SyncInFlight
-
-        version = int(batch.gen["policy_version"][0])
-        self._ahead.appendleft((batch.step, PendingBatch.ready(batch.gen, batch.prompts, version),
-                                SyncInFlight(batch.sync)))
+        self._ahead.put_back(batch.step, batch.gen, batch.prompts, batch.sync)
 
     # ---- one step, in three calls (a notebook can run each in its own cell) ------------------------
     def generate(self, prompts: Sequence[dict[str, Any]] | None = None) -> StepBatch:
@@ -261,14 +257,14 @@ class Trainer:
             self._launch(self.step)
         while len(self._ahead) < self.config.off_policy_steps + 1:
             self._launch(self.step + len(self._ahead))
-        step, pending, sync = self._ahead.popleft()
+        first = self._ahead.next()
         with _timer(t, "wait_generate"):  # what the trainer waited for: the generation it did not hide
-            gen = pending.result()
+            gen = first.pending.result()
         with _timer(t, "reward"):
             given = self._score(gen)
         t["generate"] = float(gen.get("timing", 0.0) or 0.0)  # the engines' own time, overlapped with training
-        return StepBatch(step=step, prompts=pending.prompts, gen=gen, rewards=given, timings=t,
-                         sync=sync.result(self.config.timeout_s), started=t_step)
+        return StepBatch(step=first.step, prompts=first.pending.prompts, gen=gen, rewards=given, timings=t,
+                         sync=first.sync.result(self.config.timeout_s), started=t_step)
 
     def _launch(self, step: int) -> None:
         """Queue step ``step``'s generation on the rollout workers with the actor's weights of now (synced
@@ -279,7 +275,7 @@ class Trainer:
             self._engine_version = self.step
         rows = self._prompts_of(step)
         pending = w.generate_async(rows, seed=self.config.seed * 100_003 + step, policy_version=self.step)
-        self._ahead.append((step, pending, self._last_sync))
+        self._ahead.launched(step, pending, self._last_sync)
 
     def estimate(self, batch: StepBatch) -> StepBatch:
         """What the update needs, on the workers and here: the reference's and the old policy's
@@ -533,9 +529,7 @@ class Trainer:
             self.workers.save(str(tmp))
             checkpoint.write_model_config(tmp, self.model_path)
             if self._ahead:  # asynchronous RL: the batches sampled and not yet trained, kept for an exact resume
-                torch.save([(step, pending.result(), pending.prompts, pending.policy_version,
-                             sync.result(self.config.timeout_s)) for step, pending, sync in self._ahead],
-                           tmp / AHEAD_FILE)
+                torch.save(self._ahead.saved(self.config.timeout_s), tmp / AHEAD_FILE)
             if self.config.lora is not None:  # the adapters in peft's format too: PeftModel.from_pretrained(base, ...)
                 checkpoint.write_adapter(tmp / "adapter", self.workers.adapter_weights(), self.config.lora,
                                          self.model_path)
@@ -620,10 +614,7 @@ class Trainer:
             raise checkpoint.worker_failure(path, e) from None
         self.step, self._rows_log = state["step"], [r for r in state["rows"] if r.get("step", 0) <= state["step"]]
         if (path / AHEAD_FILE).exists():  # asynchronous RL: the batches in flight at save, trained next as they were
-            from rlkit.workers.rl_workers import PendingBatch, SyncInFlight
-
-            for step, batch, prompts, version, sync in torch.load(path / AHEAD_FILE, weights_only=False):
-                self._ahead.append((step, PendingBatch.ready(batch, prompts, version), SyncInFlight(sync)))
+            self._ahead.restore(torch.load(path / AHEAD_FILE, weights_only=False))
         if state.get("kl_coef") is not None and hasattr(self.kl_ctl, "value"):
             self.kl_ctl.value = state["kl_coef"]
         # One truthful history: metrics.jsonl rolled back to the checkpoint at once (a crash now would leave

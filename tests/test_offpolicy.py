@@ -154,7 +154,7 @@ def test_one_step_off_trains_every_batch_once_within_the_bound_and_resumes_exact
         assert list(axes["staleness (versions behind)"].lines[0].get_ydata()) == [0.0, 1.0]
         drawn = axes["engine vs trainer max |Δ log p|"].lines[0].get_ydata()
         assert list(drawn) == pytest.approx(first["offpolicy/max_abs_dlogp"].tolist())
-        assert len(tr._ahead) == 1 and tr._ahead[0][0] == 2  # step 3's batch is sampling (or sampled)
+        assert len(tr._ahead) == 1 and next(iter(tr._ahead)).step == 2  # step 3's batch is sampling (or sampled)
         tr.save(tmp_path / "ckpt")
         # a step given up before its update (Ctrl-C in fit) puts its batch back: it is trained next, once
         given_up = tr.generate()
