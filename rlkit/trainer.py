@@ -128,7 +128,6 @@ class Trainer:
         self.backend = inputs.check_backend(self.config, self.plan, self.model_path, self.rollout)
         inputs.check_off_policy(self.config, self.placement)
         inputs.check_generation_layout(self.rollout, self.placement, self.model_path)
-        self.passes = self.config.passes(self.algo.needs)  # what each step scores between generate and update
         self.step = 0
         self._rows_log: list[dict[str, Any]] = []
         self._timeline: list[dict[str, Any]] = []  # when each step's phases ran (Trainer.timeline)
@@ -159,6 +158,12 @@ class Trainer:
             self.placement, self.cluster, model_path=self.model_path, layout=self.layout,
             worker_kwargs=worker_kwargs, seed=c.seed, timeout_s=c.timeout_s, owner=self,
             interactive=inputs.interactive(), held=self._held)
+
+    @property
+    def passes(self):
+        """What a step scores between ``generate`` and ``update`` (``rlkit.algos.Needs.passes``), from the config
+        as it is now (a notebook may change ``trainer.config.epochs`` between steps)."""
+        return self.config.passes(self.algo.needs)
 
     @property
     def group(self):
@@ -290,7 +295,7 @@ class Trainer:
         mask = self.layout.loss_mask(tensors)
         mask *= valid[:, None].float()  # samples whose reward is NaN are skipped (counted in the row)
         scores = torch.nan_to_num(batch.rewards, nan=0.0)
-        p = self.passes  # decided once (rlkit.algos.Needs.passes)
+        p = self.passes  # decided in one place (rlkit.algos.Needs.passes)
         if p.reference:
             with _timer(t, "ref"):
                 tensors["ref_logprobs"] = w.ref_logprobs(tensors)
