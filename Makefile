@@ -11,6 +11,11 @@ comma := ,
 # DeepSpeed (extra `backends`) installs without pre-building its C++/CUDA ops: they JIT-build on first use, into
 # a cached folder (rlkit/backends/deepspeed.py), so setup needs no compiler pass and no CUDA toolkit.
 export DS_BUILD_OPS := 0
+# A shell that sets PYTHONDONTWRITEBYTECODE (some sandboxes and containers do) would make every Python
+# process of a run (each Ray worker, kernel and subprocess: hundreds in the test suite) compile torch, ray
+# and transformers from source again: ~6 s more CPU per process (measured: `import rlkit.workers.rl` 3.2 s
+# with a bytecode cache, 8.9-10.3 s without). So the venvs' bytecode is written on first import.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup setup-vllm demo test test-all test-vllm lint clean
 
@@ -23,7 +28,8 @@ ONE_AT_A_TIME := $(shell command -v flock >/dev/null 2>&1 && echo flock .pip-edi
 # $(call make_venv,DIR,EXTRAS): a venv in DIR with rlkit installed editable with EXTRAS. torch goes in
 # first, pinned where no GPU is present, so pip never resolves an unpinned torch into a CUDA build.
 # --no-compile: pip would byte-compile all ~52,000 .py files of both venvs (measured ~110 s of one core
-# here); Python compiles the few thousand a run imports on first import instead, and caches them.
+# here); Python compiles the few thousand a run imports on first import instead, and caches them. That
+# cache needs Python allowed to write it: see PYTHONDONTWRITEBYTECODE below.
 define make_venv
 	test -x $(1)/bin/python || $(PY) -m venv $(1)
 	$(1)/bin/python -m pip install -q --no-compile --upgrade pip
@@ -68,8 +74,8 @@ browser:
 
 # Under `make test` a missing piece that the setup installs is a failure, never a skip (tests/_require.py).
 REQUIRE := RLKIT_REQUIRE_BACKENDS=1 RLKIT_REQUIRE_BROWSER=1 RLKIT_REQUIRE_REAL_MODEL=1
-# The slowest tests, printed at the end of every run: where the suite's time goes.
-DURATIONS := --durations=30 --durations-min=5
+# The slowest tests, printed at the end of every run: where the suite's time goes (DURATIONS=--durations=0 lists all).
+DURATIONS ?= --durations=30 --durations-min=5
 
 # The two venvs and Chromium, built side by side: each pip runs on about one core.
 .PHONY: deps
