@@ -14,12 +14,8 @@ import pytest
 
 from rlkit.errors import PlanError
 from rlkit.plan import ModelSpec, ParallelPlan
-from rlkit.plan.memory import (
-    RolloutMemory,
-    compare_memory,
-    estimate_memory,
-    explain_fit,
-)
+from rlkit.plan.memory import RolloutMemory, estimate_memory
+from rlkit.plan.memory_report import compare_memory, explain_fit
 from rlkit.plan.units import parse_bytes
 
 N7B = 6_738_415_616  # llama-2-7b parameters

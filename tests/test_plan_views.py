@@ -17,7 +17,8 @@ import pytest
 from rlkit.errors import PlanError
 from rlkit.plan import ParallelPlan
 from rlkit.plan.cli import main
-from rlkit.plan.memory import collapse_ranks, estimate_memory
+from rlkit.plan.memory import estimate_memory
+from rlkit.plan.memory_report import collapse_ranks
 from rlkit.plan.schedule import bubble_fraction, pipeline_timeline
 from rlkit.plan.search import search_plans
 from rlkit.widgets.figures import (

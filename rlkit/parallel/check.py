@@ -365,7 +365,8 @@ def compare_with_estimate(measured, plan: ParallelPlan, config, seq_len: int, mi
     rank: ``<col>_estimate``, ``<col>_measured``, ``<col>_rel_err``. The estimate splits saved
     activations into ``activations`` and ``logits``; measured activations hold both."""
     try:
-        from rlkit.plan.memory import compare_memory, estimate_memory
+        from rlkit.plan.memory import estimate_memory
+        from rlkit.plan.memory_report import compare_memory
     except ImportError:
         return None
     est = estimate_memory(plan, config, seq_len=seq_len, micro_batch=micro_batch, precision="fp32",

@@ -3,7 +3,8 @@
 from rlkit.plan.backend_memory import backend_memory
 from rlkit.plan.comm import BANDWIDTHS, estimate_communication, estimate_resharding
 from rlkit.plan.hybrid import GenerationLayout
-from rlkit.plan.memory import RolloutMemory, compare_memory, estimate_memory, explain_fit
+from rlkit.plan.memory import RolloutMemory, estimate_memory
+from rlkit.plan.memory_report import compare_memory, explain_fit
 from rlkit.plan.schedule import (
     bubble_fraction,
     idle_fraction,

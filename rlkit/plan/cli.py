@@ -128,7 +128,7 @@ def _memory_text(plan: ParallelPlan, model: Any, seq_len: int, micro_batch: int,
     if importlib.util.find_spec("rlkit.plan.memory") is None:
         return "Memory per rank: (rlkit.plan.memory is not available in this version)"
     from rlkit.plan import memory
-    from rlkit.plan.memory import collapse_ranks
+    from rlkit.plan.memory_report import collapse_ranks, explain_fit
 
     df = memory.estimate_memory(plan, model, seq_len=seq_len, micro_batch=micro_batch, device_memory=gpu_memory,
                                 **memory_kw)
@@ -145,8 +145,8 @@ def _memory_text(plan: ParallelPlan, model: Any, seq_len: int, micro_batch: int,
     text = (f"Memory per rank in GiB (seq_len={seq_len}, micro_batch={micro_batch}, {settings}; identical ranks "
             f"grouped):\n"
             + shown.to_string(index=False))
-    if "fits" in df.columns and hasattr(memory, "explain_fit"):
-        text += "\n" + memory.explain_fit(df)
+    if "fits" in df.columns:
+        text += "\n" + explain_fit(df)
     return text
 
 

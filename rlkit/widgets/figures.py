@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlkit.errors import PlanError
 from rlkit.plan.memory import COMPONENTS as MEMORY_COLUMNS  # byte columns, stacked in this order
-from rlkit.plan.memory import collapse_ranks
+from rlkit.plan.memory_report import collapse_ranks
 from rlkit.plan.schedule import idle_fraction
 from rlkit.plan.search import plan_label
 
