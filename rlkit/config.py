@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from rlkit.errors import TrainerError
 
 if TYPE_CHECKING:
-    from rlkit.workers.rl import UpdateSettings
+    from rlkit.algos.settings import UpdateSettings
 
 
 @dataclass
@@ -184,7 +184,7 @@ class TrainerConfig:
     def update_settings(self, step: int, policy_loss: Any = None) -> UpdateSettings:
         """What the update calls of ``step`` take: the learning rate then, the PPO settings, the KL as a
         loss term (none when the KL is in the reward), and the algorithm's ``policy_loss``."""
-        from rlkit.workers.rl import UpdateSettings
+        from rlkit.algos.settings import UpdateSettings
 
         extra = {} if policy_loss is None else {"policy_loss": policy_loss}
         return UpdateSettings(lr=self.learning_rate(step), epochs=self.epochs, minibatches=self.minibatches,

@@ -50,6 +50,7 @@ from rlkit.algos.registry import (
     register_algorithm,
     register_policy_loss,
 )
+from rlkit.algos.settings import UpdateSettings
 
 # The built-in algorithms, by the names papers and peers use: each an estimator with the PPO clipped loss.
 for _name, _estimator in (("grpo", "grpo"), ("drgrpo", "drgrpo"), ("rloo", "rloo"), ("reinforce++", "reinforce_pp"),
@@ -58,6 +59,7 @@ for _name, _estimator in (("grpo", "grpo"), ("drgrpo", "drgrpo"), ("rloo", "rloo
 
 __all__ = [
     "ADVANTAGES", "AGG_MODES", "ALGORITHMS", "KL_KINDS", "NEEDS", "POLICY_LOSSES", "Algorithm", "Needs", "Passes",
+    "UpdateSettings",
     "register_advantage", "get_advantage", "compute_advantages", "register_policy_loss", "get_policy_loss",
     "call_policy_loss", "estimator_options", "register_algorithm", "get_algorithm", "known_algorithms",
     "gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",

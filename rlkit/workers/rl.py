@@ -23,16 +23,15 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
 
-from rlkit.algos import call_policy_loss, entropy_bonus, kl_loss, masked_mean, policy_loss, value_loss
+from rlkit.algos import call_policy_loss, entropy_bonus, kl_loss, masked_mean, value_loss
 from rlkit.algos.offpolicy import importance_weights
+from rlkit.algos.settings import UpdateSettings
 from rlkit.backends import Backend, make_model
 from rlkit.parallel import ParallelModel
 from rlkit.parallel.groups import build_generation_groups, build_groups
@@ -44,35 +43,6 @@ from rlkit.rollout import Rollout, make_engine
 from rlkit.workers.hybrid import HybridRollout
 from rlkit.workers.layout import SequenceLayout, generate_batch
 from rlkit.workers.weight_channel import Meta, WeightChannel
-
-
-@dataclass(frozen=True)
-class UpdateSettings:
-    """How one update call trains (the actor's; the critic reads ``epochs``, ``minibatches``,
-    ``value_clip``). Made by the trainer for each step (``TrainerConfig.update_settings(step)``).
-
-    ``policy_loss`` is the algorithm's loss function (``rlkit.algos.registry``); it travels with the
-    settings, so a loss defined in a notebook cell runs on Ray workers too.
-
-    >>> UpdateSettings(lr=1e-5, epochs=2).minibatches
-    1
-    """
-
-    lr: float
-    epochs: int = 1
-    minibatches: int = 1
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    loss_agg: str = "token-mean"
-    kl_loss_coef: float = 0.0       # KL to the reference as a loss term (0: none, e.g. KL in the reward)
-    kl_kind: str = "low_var_kl"
-    entropy_coef: float = 0.0
-    value_clip: float | None = 0.2
-    policy_loss: Callable[..., Any] = policy_loss
-    # the off-policy correction taken inside the update (pi_old from its own forward): None, or
-    # {"mode": "tis" | "mis", "cap": float, "level": "token" | "sequence"} (rlkit.algos.offpolicy)
-    offpolicy: dict[str, Any] | None = None
 
 
 class SyncReport(TypedDict, total=False):
