@@ -13,7 +13,7 @@ entry (``saved``) and a resumed run trains the same batches (``restore``).
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,8 @@ class AheadQueue:
 
     def __init__(self) -> None:
         self._q: collections.deque[InFlight] = collections.deque()
+        self.engine_version = -1   # the actor step whose weights the rollout engines hold (or are loading)
+        self._last_sync: Any = None
 
     def __len__(self) -> int:
         return len(self._q)
@@ -43,6 +45,28 @@ class AheadQueue:
     def launched(self, step: int, pending: Any, sync: Any) -> None:
         """A generation just queued on the rollout workers: last in line."""
         self._q.append(InFlight(step, pending, sync))
+
+    def fill(self, workers: Any, step: int, depth: int, prompts_of: Callable[[int], list[dict[str, Any]]],
+             seed_of: Callable[[int], int]) -> InFlight:
+        """Step ``step``'s generation, taken from the queue, after launching the generations of the steps
+        after it until ``depth`` are in flight (``off_policy_steps + 1``). Each is sampled with the actor's
+        weights of now, step ``step``'s, on ``prompts_of(s)`` rows seeded ``seed_of(s)``; when the queue is
+        empty (the first step, or after ``load``) step ``step``'s own is launched first, on-policy."""
+        if not self._q:
+            self._launch(workers, step, step, prompts_of, seed_of)
+        while len(self._q) < depth:
+            self._launch(workers, step + len(self._q), step, prompts_of, seed_of)
+        return self.next()
+
+    def _launch(self, workers: Any, step: int, actor_step: int, prompts_of: Callable, seed_of: Callable) -> None:
+        """Queue step ``step``'s generation on the rollout workers with the weights of actor step
+        ``actor_step`` (synced first unless the engines hold them already: the actor's gather runs now, the
+        engines load it in turn)."""
+        if self.engine_version != actor_step:
+            self._last_sync = workers.sync_weights_async()
+            self.engine_version = actor_step
+        pending = workers.generate_async(prompts_of(step), seed=seed_of(step), policy_version=actor_step)
+        self.launched(step, pending, self._last_sync)
 
     def next(self) -> InFlight:
         """The oldest generation: the one the next step trains on."""

@@ -328,6 +328,49 @@ def _first_line(e: BaseException) -> str:
 
 
 # ---- a trained model out -------------------------------------------------------------------------
+AHEAD_FILE = "ahead.pt"  # a checkpoint's batches generated ahead and not yet trained (off_policy_steps > 0)
+
+
+def write_trainer(path: str | os.PathLike, workers: Any, state: dict[str, Any], model_path: str, *,
+                  lora: Any = None, ahead: Any = None) -> str:
+    """A ``Trainer.save`` folder at ``path``, atomically (a temp folder renamed into place): the workers'
+    shards, ``model_config.json``, the batches generated ahead (``ahead``, asynchronous RL: kept for an
+    exact resume), with ``lora`` the adapters in peft's format too (``adapter/``), and ``trainer.json``
+    (``state`` stamped with the format and rlkit's version). Returns the path."""
+    path = Path(path).absolute()
+    with atomic.folder(path) as tmp:
+        workers.save(str(tmp))
+        write_model_config(tmp, model_path)
+        if ahead is not None:
+            torch.save(ahead, tmp / AHEAD_FILE)
+        if lora is not None:  # PeftModel.from_pretrained(base, path / "adapter")
+            write_adapter(tmp / "adapter", workers.adapter_weights(), lora, model_path)
+        (tmp / "trainer.json").write_text(json.dumps({**state, **stamp()}, default=str))
+    return str(path)
+
+
+def read_ahead(path: str | os.PathLike) -> Any:
+    """The batches a checkpoint kept generated ahead (None when it has none)."""
+    file = Path(path) / AHEAD_FILE
+    return torch.load(file, weights_only=False) if file.exists() else None
+
+
+def multi_turn_of(state: dict[str, Any], path: str | os.PathLike, tools: Any, environment: Any) -> Any:
+    """The ``MultiTurn`` bounds a multi-turn run saved (None for a single-turn run); its tools and
+    environment are code, so the caller must pass them again."""
+    saved = state.get("multi_turn")
+    if saved is None:
+        return None
+    from rlkit.agent import MultiTurn
+    from rlkit.errors import TrainerError
+
+    if tools is None and environment is None:
+        raise TrainerError(f"the checkpoint {path} trained multi-turn episodes with tools {saved['tools']} and "
+                           f"environment {saved['environment']}; pass them again: Trainer.load(path, dataset, "
+                           f"tools=[...], environment=...)")
+    return MultiTurn(**saved["settings"])
+
+
 def pretrained_target(path: str | os.PathLike, model_path: str) -> Path:
     """Where ``write_pretrained`` may write: not the model the run started from, not a file, and not a
     folder holding anything but an earlier HF model folder (which it replaces whole)."""

@@ -10,9 +10,6 @@ functions on tensors, picked by name from its registry. The inputs and their che
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -22,25 +19,27 @@ from typing import Any
 
 import torch
 
-from rlkit import atomic, inputs
+from rlkit import inputs
 from rlkit.ahead import AheadQueue
 from rlkit.algos import get_algorithm, get_policy_loss, known_algorithms
 from rlkit.config import TrainerConfig
 from rlkit.data import heldout_split
 from rlkit.errors import RewardError, TrainerError
+from rlkit.estimate import offpolicy_metrics, step_advantages
+from rlkit.history import History
 from rlkit.hub import resolve_checkpoint
 from rlkit.interrupt import StopOnInterrupt
-from rlkit.parallel.lora import lora_to_dict
 from rlkit.plan.topology import ParallelPlan
 from rlkit.rewards.functions import RewardFunctions
 from rlkit.rollout import Rollout
 from rlkit.run_dir import RunDir
-from rlkit.step_batch import StepBatch, masked_stat
+from rlkit.step_batch import StepBatch
+from rlkit.trainer_io import TrainerIO
 from rlkit.workers.layout import SequenceLayout
 from rlkit.workers.placement import Placement
 
 
-class Trainer:
+class Trainer(TrainerIO):
     """RL post-training of a causal LM on a worker group (Ray, or this process for one rank).
 
     Args:
@@ -129,17 +128,13 @@ class Trainer:
         inputs.check_off_policy(self.config, self.placement)
         inputs.check_generation_layout(self.rollout, self.placement, self.model_path)
         self.step = 0
-        self._rows_log: list[dict[str, Any]] = []
-        self._timeline: list[dict[str, Any]] = []  # when each step's phases ran (Trainer.timeline)
-        self._samples: list[dict[str, Any]] = []
+        self.history = History()  # metrics rows, recent samples, when each phase ran
         self.kl_ctl = self.config.kl_controller()
         self.run_dir = Path(self.config.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
         self.runs = RunDir(self.run_dir)
         self.cluster, self.workers = cluster, None
         self._stop: StopOnInterrupt | None = None  # fit's Ctrl-C handler while it runs
-        # asynchronous RL: the generations in flight (rlkit.ahead), and the version the engines hold
-        self._ahead = AheadQueue()
-        self._engine_version, self._last_sync = -1, None
+        self._ahead = AheadQueue()  # asynchronous RL: the generations in flight (rlkit.ahead)
         self._start_workers()
 
     def _start_workers(self) -> None:
@@ -210,7 +205,7 @@ class Trainer:
         finally:
             self._stop = None
             live.close()
-            self.runs.save_plots(self._rows_log)
+            self.runs.save_plots(self.history.rows)
         if stop.requested:
             print(f"rlkit: stopped after step {self.step} (Ctrl-C); the trainer keeps its weights: trainer.fit(...) "
                   f"continues from there", file=sys.stderr, flush=True)
@@ -256,13 +251,10 @@ class Trainer:
         ``s + k``, sampled with the weights of now (before step ``s``'s update) while the actor trains. So
         a batch is at most ``k`` policy versions old (its samples carry the version that generated them).
         Nothing is in flight at the first step (or after ``load``): its batch is generated on-policy."""
-        self._live_workers()
+        w, c = self._live_workers(), self.config
         t, t_step = {}, time.perf_counter()
-        if not self._ahead:
-            self._launch(self.step)
-        while len(self._ahead) < self.config.off_policy_steps + 1:
-            self._launch(self.step + len(self._ahead))
-        first = self._ahead.next()
+        first = self._ahead.fill(w, self.step, c.off_policy_steps + 1, self._prompts_of,
+                                 lambda step: c.seed * 100_003 + step)
         with _timer(t, "wait_generate"):  # what the trainer waited for: the generation it did not hide
             gen = first.pending.result()
         with _timer(t, "reward"):
@@ -270,17 +262,6 @@ class Trainer:
         t["generate"] = float(gen.get("timing", 0.0) or 0.0)  # the engines' own time, overlapped with training
         return StepBatch(step=first.step, prompts=first.pending.prompts, gen=gen, rewards=given, timings=t,
                          sync=first.sync.result(self.config.timeout_s), started=t_step)
-
-    def _launch(self, step: int) -> None:
-        """Queue step ``step``'s generation on the rollout workers with the actor's weights of now (synced
-        first unless the engines hold them already)."""
-        w = self._live_workers()
-        if self._engine_version != self.step:  # the actor's gather runs now; the engines load it in turn
-            self._last_sync = w.sync_weights_async()
-            self._engine_version = self.step
-        rows = self._prompts_of(step)
-        pending = w.generate_async(rows, seed=self.config.seed * 100_003 + step, policy_version=self.step)
-        self._ahead.launched(step, pending, self._last_sync)
 
     def estimate(self, batch: StepBatch) -> StepBatch:
         """What the update needs, on the workers and here: the reference's and the old policy's
@@ -314,7 +295,8 @@ class Trainer:
         with _timer(t, "advantage"):
             batch.kl_mean = self._advantages(tensors, scores, gen, sampling_logprobs)
         if sampling_logprobs is not None:  # the engine against the trainer, on the tokens that carry loss
-            batch.offpolicy = self._offpolicy(tensors, sampling_logprobs, gen["rollout_logprobs"], mask)
+            batch.offpolicy = offpolicy_metrics(tensors, sampling_logprobs, gen["rollout_logprobs"], mask,
+                                                config=self.config)
         batch.tensors, batch.estimated = tensors, True
         return batch
 
@@ -336,7 +318,7 @@ class Trainer:
         started = time.time()
         with _timer(t, "update"):
             actor = w.update_actor(batch.tensors, settings)
-        self._record_timeline(batch, started, time.time())
+        self.history.add_phases(batch.step + 1, batch.gen.get("gen_window"), started, time.time())
         for key in [k for k in actor if k.startswith("actor/offpolicy/")]:  # the correction taken in the update
             batch.offpolicy[key.removeprefix("actor/")] = actor.pop(key)
         self.step += 1
@@ -381,52 +363,12 @@ class Trainer:
         return out
 
 
-    def _advantages(self, batch: dict[str, Any], scores: torch.Tensor, gen: dict[str, Any],
+    def _advantages(self, tensors: dict[str, Any], scores: torch.Tensor, gen: dict[str, Any],
                     sampling_logprobs: torch.Tensor | None) -> float | None:
-        """``batch["advantages"]`` and ``["returns"]`` by the algorithm's estimator; the KL in the reward
-        (with ``kl_in_reward``) or its measure; returns the mean KL (None when not measured)."""
-        from rlkit.algos import (
-            apply_kl_penalty,
-            compute_advantages,
-            estimator_options,
-            kl_penalty,
-            last_token_rewards,
-        )
-
-        c, mask = self.config, self.layout.loss_mask(batch)
-        rewards, kl_mean = scores, None
-        if c.kl_coef > 0 and c.kl_in_reward:
-            # KL against the policy that sampled: its log-probs are pi_old's
-            rewards, kl_mean = apply_kl_penalty(last_token_rewards(scores, mask), sampling_logprobs,
-                                                batch["ref_logprobs"], mask, self.kl_ctl, kind="k1")
-            self.kl_ctl.update(kl_mean, len(scores))
-        elif c.kl_coef > 0 and "old_logprobs" in batch:
-            kl_mean = masked_stat(kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], c.kl_kind), mask, "mean")
-        name = self.algo.advantage
-        # a sample with no reward (skipped, dropped) is a group of its own: it moves no baseline of the others
-        skipped = ~mask.bool().any(1)
-        groups = [("skipped", i) if s else u for i, (u, s) in enumerate(zip(gen["uid"], skipped.tolist()))]
-        adv, returns = compute_advantages(
-            name, rewards, mask, values=batch.get("values"), group_ids=groups,
-            ref_logprobs=batch.get("ref_logprobs"),
-            logprobs=sampling_logprobs if sampling_logprobs is not None else gen["rollout_logprobs"],
-            **estimator_options(name, gamma=c.gamma, lam=c.lam))
-        batch["advantages"], batch["returns"] = adv * mask, returns
-        return kl_mean
-
-    def _offpolicy(self, batch: dict[str, Any], old: torch.Tensor, behaviour: torch.Tensor,
-                   mask: torch.Tensor) -> dict[str, float]:
-        """The engine/trainer mismatch metrics; with ``offpolicy_correction`` also the importance weights
-        pi_old / mu (truncated or masked, ``rlkit.algos.offpolicy``), folded into ``batch["advantages"]``."""
-        from rlkit.algos.offpolicy import importance_weights, mismatch_metrics
-
-        c = self.config
-        if c.offpolicy_correction is None:
-            return mismatch_metrics(old, behaviour, mask)
-        weights, metrics = importance_weights(old, behaviour, mask, mode=c.offpolicy_correction,
-                                              cap=c.offpolicy_cap, level=c.offpolicy_level)
-        batch["advantages"] = batch["advantages"] * weights
-        return metrics
+        """``tensors["advantages"]`` / ``["returns"]`` of the scored samples ``gen`` (``rlkit.estimate``)."""
+        return step_advantages(tensors, scores, gen["uid"], self.layout.loss_mask(tensors), config=self.config,
+                               estimator=self.algo.advantage, kl_ctl=self.kl_ctl,
+                               sampling_logprobs=sampling_logprobs, rollout_logprobs=gen["rollout_logprobs"])
 
     def update_settings(self):
         """The ``UpdateSettings`` the next update takes (learning rate of this step, PPO settings, loss)."""
@@ -435,22 +377,11 @@ class Trainer:
     # ---- results ---------------------------------------------------------------------------------
     def _log(self, row: dict[str, Any], prompts: list[dict[str, Any]], gen: dict[str, Any],
              scores: torch.Tensor) -> None:
-        self._rows_log.append(row)
+        self.history.add_step(row, prompts, gen, scores, step=self.step, prompt_len=self.layout.prompt_len,
+                              keep=self.config.keep_samples)
         # metrics.jsonl is always this trainer's history (== self.metrics), rewritten atomically: a crash
         # never leaves half a line, and a resumed run never repeats step numbers (see load)
-        self.runs.write_metrics(self._rows_log)
-        from rlkit.agent.episodes import conversation_text
-
-        for i, u in enumerate(gen["uid"]):
-            ids = gen["input_ids"][i, self.layout.prompt_len:][gen["attention_mask"][i, self.layout.prompt_len:].bool()]
-            sample = {"step": self.step, "prompt": prompts[u]["prompt"], "completion": conversation_text(gen["completion"][i]),
-                      "reward": float(scores[i]), "completion_ids": ids.tolist()}
-            if "episode" in gen:  # multi-turn: the conversation (tool messages marked) and the episode's counts
-                ep = gen["episode"][i]
-                sample.update(turns=ep["turns"], tool_calls=ep["tool_calls"], tool_errors=ep["tool_errors"],
-                              finish_reason=gen["finish_reason"][i], messages=gen["completion"][i])
-            self._samples.append(sample)
-        del self._samples[:max(0, len(self._samples) - self.config.keep_samples)]  # [:-0] would keep all
+        self.runs.write_metrics(self.history.rows)
         trackers = self._open_trackers()  # report_to: the row, and this step's samples as a table
         if trackers:
             trackers.log_metrics(row)
@@ -466,13 +397,6 @@ class Trainer:
             self._trackers.log_config(self._state_config())
         return self._trackers
 
-    def _record_timeline(self, batch: StepBatch, update_start: float, update_end: float) -> None:
-        window = batch.gen.get("gen_window")
-        if window is not None and len(window):
-            self._timeline.append({"step": batch.step + 1, "phase": "generate", "start": float(window[:, 0].min()),
-                                   "end": float(window[:, 1].max())})
-        self._timeline.append({"step": batch.step + 1, "phase": "update", "start": update_start, "end": update_end})
-
     @property
     def timeline(self):
         """When each step's generation ran on the rollout workers (the earliest start and the latest end over
@@ -480,26 +404,17 @@ class Trainer:
         DataFrame of ``step, phase, start, end`` in seconds since the epoch, for this trainer's steps.
         With ``off_policy_steps=1`` the generation of step k + 1 starts before the update of step k ends.
         """
-        import pandas as pd
-
-        return pd.DataFrame(self._timeline, columns=["step", "phase", "start", "end"])
+        return self.history.timeline()
 
     @property
     def metrics(self):
         """One row per step (a DataFrame)."""
-        import pandas as pd
-
-        return pd.DataFrame(self._rows_log)
+        return self.history.metrics()
 
     def samples(self, last: int | None = None, ids: bool = False):
         """Prompts, completions and rewards of recent steps (a DataFrame); with ``ids`` also each completion's
         token ids (``rlkit.widgets.live.readable_samples`` shows them where the text is not printable)."""
-        import pandas as pd
-
-        df = pd.DataFrame(self._samples)
-        if not ids and not df.empty:
-            df = df.drop(columns=["completion_ids"] + (["messages"] if "messages" in df else []))
-        return df if last is None or df.empty else df[df.step > self.step - last]
+        return self.history.samples(self.step, last, ids)
 
     def evaluate(self, dataset: Any = None, n: int = 64, greedy: bool = True) -> dict[str, float]:
         """Mean reward (and exact-match rate: reward == 1) of the current policy on held-out prompts: the
@@ -520,122 +435,6 @@ class Trainer:
 
             out.update(episode_metrics(gen["episode"]))
         return out
-
-    # ---- save / load -----------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike) -> str:
-        """Actor (and critic) sharded state + trainer state; atomic (a temp folder renamed into place).
-
-        ``trainer.json`` records the checkpoint format and rlkit's version, ``model_config.json`` the
-        model's config: ``load`` checks both (``rlkit.checkpoint``)."""
-        from rlkit import checkpoint
-
-        path = Path(path).absolute()
-        with atomic.folder(path) as tmp:
-            self.workers.save(str(tmp))
-            checkpoint.write_model_config(tmp, self.model_path)
-            if self._ahead:  # asynchronous RL: the batches sampled and not yet trained, kept for an exact resume
-                torch.save(self._ahead.saved(self.config.timeout_s), tmp / AHEAD_FILE)
-            if self.config.lora is not None:  # the adapters in peft's format too: PeftModel.from_pretrained(base, ...)
-                checkpoint.write_adapter(tmp / "adapter", self.workers.adapter_weights(), self.config.lora,
-                                         self.model_path)
-            state = {"step": self.step, "rows": self._rows_log, "kl_coef": getattr(self.kl_ctl, "value", None),
-                     **checkpoint.stamp(), **self._state_config()}
-            (tmp / "trainer.json").write_text(json.dumps(state, default=str))
-        return str(path)
-
-    def save_pretrained(self, path: str | os.PathLike, *, dtype: str | torch.dtype | None = None) -> str:
-        """The trained actor as a plain Hugging Face checkpoint folder, from any layout: config, safetensors
-        weights (a tied lm_head written once), generation config, tokenizer and chat template. It loads with
-        ``AutoModelForCausalLM.from_pretrained(path)`` and ``vllm.LLM(path)``. Written atomically; an earlier
-        ``save_pretrained`` folder at ``path`` is replaced. ``dtype`` casts the weights (default: the
-        actor's, fp32). Returns the path. A critic is not included (``save`` keeps it). With LoRA the
-        adapters are merged into the weights (``save_adapter`` writes them alone).
-
-        >>> trainer.fit(steps=20)                                                   # doctest: +SKIP
-        >>> path = trainer.save_pretrained("runs/final")                            # doctest: +SKIP
-        >>> model = transformers.AutoModelForCausalLM.from_pretrained(path)         # doctest: +SKIP
-        """
-        from rlkit import checkpoint
-
-        if self.workers is None:
-            raise TrainerError("this Trainer was closed (trainer.close(), or a newer Trainer in this notebook took "
-                               "its workers); Trainer.load a checkpoint and save_pretrained from it")
-        target = checkpoint.pretrained_target(path, self.model_path)  # refused before any gather
-        return checkpoint.write_pretrained(target, self.workers.full_weights(), self.model_path,
-                                           tokenizer=self.tokenizer, dtype=dtype)
-
-    def save_adapter(self, path: str | os.PathLike) -> str:
-        """The trained LoRA adapters in peft's own format (``adapter_config.json``, ``adapter_model.safetensors``),
-        written atomically; ``PeftModel.from_pretrained(base_model, path)`` loads them. ``save_pretrained`` writes
-        the merged model instead. Returns the path.
-
-        >>> path = trainer.save_adapter("runs/adapter")                             # doctest: +SKIP
-        >>> model = peft.PeftModel.from_pretrained(base, path)                      # doctest: +SKIP
-        """
-        from rlkit import checkpoint
-
-        if self.config.lora is None:
-            raise TrainerError("save_adapter needs a LoRA run (Trainer(..., lora=LoraConfig(...))); this run trains "
-                               "full weights: use save_pretrained")
-        if self.workers is None:
-            raise TrainerError("this Trainer was closed; Trainer.load a checkpoint and save_adapter from it")
-        return checkpoint.write_adapter(path, self.workers.adapter_weights(), self.config.lora, self.model_path)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, dataset: Any, reward: Any = None, cluster: Any = None,
-             callbacks: Sequence[Callable] = (), tools: Sequence[Callable] | None = None, environment: Any = None,
-             **overrides: Any) -> Trainer:
-        """Resume from ``save``: same model, plan, rollout and config; pass the same dataset and reward (and for
-        a multi-turn run the same ``tools`` / ``environment``: functions are not saved, the episode bounds are).
-
-        The checkpoint is checked in the driver before workers start (``rlkit.checkpoint``): a missing or
-        damaged file, another model's checkpoint or a newer rlkit's is a ``CheckpointError`` naming the file
-        and the fix. Loading never writes into ``path``."""
-        from rlkit import checkpoint
-        from rlkit.errors import WorkerError
-
-        path = Path(path).expanduser().absolute()
-        state, plan = checkpoint.verified_state(path)  # every check the driver can make, before any worker
-        config = TrainerConfig(**{**state["config"], **overrides})
-        multi_turn = None
-        if state.get("multi_turn") is not None:  # a multi-turn run: its bounds are saved, its tools are code
-            from rlkit.agent import MultiTurn
-
-            saved = state["multi_turn"]
-            if tools is None and environment is None:
-                raise TrainerError(f"the checkpoint {path} trained multi-turn episodes with tools {saved['tools']} and "
-                                   f"environment {saved['environment']}; pass them again: Trainer.load(path, dataset, "
-                                   f"tools=[...], environment=...)")
-            multi_turn = MultiTurn(**saved["settings"])
-        self = cls(state["model"], dataset, reward, state["algorithm"], plan=plan, tools=tools, environment=environment,
-                   multi_turn=multi_turn,
-                   rollout=Rollout(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["rollout"].items()}),
-                   cluster=cluster, config=config, callbacks=callbacks, placement=state.get("placement", "colocated"),
-                   rollout_workers=state.get("rollout_workers") or 1)
-        try:
-            self.workers.load(str(path))  # the engines follow at the next step's sync
-        except WorkerError as e:  # what the driver could not see: the workers' half-loaded state is dropped
-            self.close()
-            raise checkpoint.worker_failure(path, e) from None
-        self.step, self._rows_log = state["step"], [r for r in state["rows"] if r.get("step", 0) <= state["step"]]
-        if (path / AHEAD_FILE).exists():  # asynchronous RL: the batches in flight at save, trained next as they were
-            self._ahead.restore(torch.load(path / AHEAD_FILE, weights_only=False))
-        if state.get("kl_coef") is not None and hasattr(self.kl_ctl, "value"):
-            self.kl_ctl.value = state["kl_coef"]
-        # One truthful history: metrics.jsonl rolled back to the checkpoint at once (a crash now would leave
-        # a truthful file too); rows the earlier run logged after it are kept aside
-        self.runs.roll_back(self.step, self._rows_log)
-        return self
-
-    def _state_config(self) -> dict[str, Any]:
-        plan = {f.name: getattr(self.plan, f.name) for f in dataclasses.fields(self.plan) if f.init}
-        return {"model": self.model_path, "algorithm": self.algorithm, "plan": plan, "placement": self.placement.kind,
-                "rollout_workers": self.placement.rollout_workers,
-                "rollout": dataclasses.asdict(self.rollout),
-                "config": {**dataclasses.asdict(self.config), "lora": lora_to_dict(self.config.lora)},
-                "multi_turn": None if self.agent is None else {
-                    "settings": dataclasses.asdict(self.agent.settings), "tools": [t.name for t in self.agent.tools],
-                    "environment": getattr(self.agent.environment, "__name__", None)}}
 
     def close(self) -> None:
         """Stop the worker groups and give their CPUs/GPUs back (the cluster stays up). Idempotent."""
@@ -659,8 +458,6 @@ class Trainer:
 
 
 # ---- helpers ---------------------------------------------------------------------------------------
-AHEAD_FILE = "ahead.pt"  # a checkpoint's batches generated ahead and not yet trained (off_policy_steps > 0)
-
 @contextmanager
 def _timer(t: dict[str, float], name: str):
     t0 = time.perf_counter()

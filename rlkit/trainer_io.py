@@ -1,0 +1,129 @@
+"""The save / load half of ``rlkit.Trainer``: a checkpoint to resume from (``save`` / ``Trainer.load``, checked
+in the driver by ``rlkit.checkpoint`` before a worker starts), the trained model as a plain Hugging Face
+folder (``save_pretrained``) and LoRA adapters in peft's format (``save_adapter``). ``Trainer`` inherits
+these methods; they read its workers, config and history.
+
+>>> from rlkit import Trainer
+>>> [m for m in ("save", "load", "save_pretrained", "save_adapter") if not hasattr(Trainer, m)]
+[]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Self
+
+import torch
+
+from rlkit.config import TrainerConfig
+from rlkit.errors import TrainerError
+from rlkit.history import History
+from rlkit.parallel.lora import lora_to_dict
+from rlkit.rollout import Rollout
+
+
+class TrainerIO:
+    """Saving and loading a ``Trainer`` (mixed into it; see the module docstring)."""
+
+    def save(self, path: str | os.PathLike) -> str:
+        """Actor (and critic) sharded state + trainer state; atomic (a temp folder renamed into place).
+
+        ``trainer.json`` records the checkpoint format and rlkit's version, ``model_config.json`` the
+        model's config: ``load`` checks both (``rlkit.checkpoint``)."""
+        from rlkit import checkpoint
+
+        state = {"step": self.step, "rows": self.history.rows, "kl_coef": getattr(self.kl_ctl, "value", None),
+                 **self._state_config()}
+        return checkpoint.write_trainer(path, self.workers, state, self.model_path, lora=self.config.lora,
+                                        ahead=self._ahead.saved(self.config.timeout_s) if self._ahead else None)
+
+    def save_pretrained(self, path: str | os.PathLike, *, dtype: str | torch.dtype | None = None) -> str:
+        """The trained actor as a plain Hugging Face checkpoint folder, from any layout: config, safetensors
+        weights (a tied lm_head written once), generation config, tokenizer and chat template. It loads with
+        ``AutoModelForCausalLM.from_pretrained(path)`` and ``vllm.LLM(path)``. Written atomically; an earlier
+        ``save_pretrained`` folder at ``path`` is replaced. ``dtype`` casts the weights (default: the
+        actor's, fp32). Returns the path. A critic is not included (``save`` keeps it). With LoRA the
+        adapters are merged into the weights (``save_adapter`` writes them alone).
+
+        >>> trainer.fit(steps=20)                                                   # doctest: +SKIP
+        >>> path = trainer.save_pretrained("runs/final")                            # doctest: +SKIP
+        >>> model = transformers.AutoModelForCausalLM.from_pretrained(path)         # doctest: +SKIP
+        """
+        from rlkit import checkpoint
+
+        if self.workers is None:
+            raise TrainerError("this Trainer was closed (trainer.close(), or a newer Trainer in this notebook took "
+                               "its workers); Trainer.load a checkpoint and save_pretrained from it")
+        target = checkpoint.pretrained_target(path, self.model_path)  # refused before any gather
+        return checkpoint.write_pretrained(target, self.workers.full_weights(), self.model_path,
+                                           tokenizer=self.tokenizer, dtype=dtype)
+
+    def save_adapter(self, path: str | os.PathLike) -> str:
+        """The trained LoRA adapters in peft's own format (``adapter_config.json``, ``adapter_model.safetensors``),
+        written atomically; ``PeftModel.from_pretrained(base_model, path)`` loads them. ``save_pretrained`` writes
+        the merged model instead. Returns the path.
+
+        >>> path = trainer.save_adapter("runs/adapter")                             # doctest: +SKIP
+        >>> model = peft.PeftModel.from_pretrained(base, path)                      # doctest: +SKIP
+        """
+        from rlkit import checkpoint
+
+        if self.config.lora is None:
+            raise TrainerError("save_adapter needs a LoRA run (Trainer(..., lora=LoraConfig(...))); this run trains "
+                               "full weights: use save_pretrained")
+        if self.workers is None:
+            raise TrainerError("this Trainer was closed; Trainer.load a checkpoint and save_adapter from it")
+        return checkpoint.write_adapter(path, self.workers.adapter_weights(), self.config.lora, self.model_path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, dataset: Any, reward: Any = None, cluster: Any = None,
+             callbacks: Sequence[Callable] = (), tools: Sequence[Callable] | None = None, environment: Any = None,
+             **overrides: Any) -> Self:
+        """Resume from ``save``: same model, plan, rollout and config; pass the same dataset and reward (and for
+        a multi-turn run the same ``tools`` / ``environment``: functions are not saved, the episode bounds are).
+
+        The checkpoint is checked in the driver before workers start (``rlkit.checkpoint``): a missing or
+        damaged file, another model's checkpoint or a newer rlkit's is a ``CheckpointError`` naming the file
+        and the fix. Loading never writes into ``path``."""
+        from rlkit import checkpoint
+        from rlkit.errors import WorkerError
+
+        path = Path(path).expanduser().absolute()
+        state, plan = checkpoint.verified_state(path)  # every check the driver can make, before any worker
+        config = TrainerConfig(**{**state["config"], **overrides})
+        self = cls(state["model"], dataset, reward, state["algorithm"], plan=plan, tools=tools, environment=environment,
+                   multi_turn=checkpoint.multi_turn_of(state, path, tools, environment),
+                   rollout=Rollout(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["rollout"].items()}),
+                   cluster=cluster, config=config, callbacks=callbacks, placement=state.get("placement", "colocated"),
+                   rollout_workers=state.get("rollout_workers") or 1)
+        try:
+            self.workers.load(str(path))  # the engines follow at the next step's sync
+        except WorkerError as e:  # what the driver could not see: the workers' half-loaded state is dropped
+            self.close()
+            raise checkpoint.worker_failure(path, e) from None
+        self.step, self.history = state["step"], History([r for r in state["rows"] if r.get("step", 0) <= state["step"]])
+        ahead = checkpoint.read_ahead(path)
+        if ahead is not None:  # asynchronous RL: the batches in flight at save, trained next as they were
+            self._ahead.restore(ahead)
+        if state.get("kl_coef") is not None and hasattr(self.kl_ctl, "value"):
+            self.kl_ctl.value = state["kl_coef"]
+        # One truthful history: metrics.jsonl rolled back to the checkpoint at once (a crash now would leave
+        # a truthful file too); rows the earlier run logged after it are kept aside
+        self.runs.roll_back(self.step, self.history.rows)
+        return self
+
+    def _state_config(self) -> dict[str, Any]:
+        plan = {f.name: getattr(self.plan, f.name) for f in dataclasses.fields(self.plan) if f.init}
+        return {"model": self.model_path, "algorithm": self.algorithm, "plan": plan, "placement": self.placement.kind,
+                "rollout_workers": self.placement.rollout_workers,
+                "rollout": dataclasses.asdict(self.rollout),
+                "config": {**dataclasses.asdict(self.config), "lora": lora_to_dict(self.config.lora)},
+                "multi_turn": None if self.agent is None else {
+                    "settings": dataclasses.asdict(self.agent.settings), "tools": [t.name for t in self.agent.tools],
+                    "environment": getattr(self.agent.environment, "__name__", None)}}
+
+
+__all__ = ["TrainerIO"]
