@@ -144,8 +144,12 @@ def _serve(spec_path: str) -> int:
     for rank in range(spec["nprocs"]):
         if forking:
             pid = os.fork()
-            if pid == 0:
-                os._exit(_run_rank(spec, rank))
+            if pid == 0:  # the rank: it never returns into this loop, whatever happens
+                code = 1
+                try:
+                    code = _run_rank(spec, rank)
+                finally:
+                    os._exit(code)
             pids.append(pid)
         else:
             with open(spec["logs"][rank], "w") as log:
