@@ -59,8 +59,9 @@ class Trainer(TrainerIO):
         plan: the actor's ParallelPlan (default: one rank).
         rollout: sampling (default ``Rollout(n=4, max_new_tokens=16)``).
         cluster: an ``rlkit.Cluster`` to run the workers on. Default: a one-rank plan (colocated) runs its
-            worker in this process, without Ray (it starts in seconds, like TRL); a bigger plan starts an
-            embedded local Ray cluster.
+            worker in this process, without Ray (it starts in seconds, like TRL); a bigger plan runs on the
+            live ``rlkit.Cluster`` of this process where it has a device per rank, else it starts an embedded
+            local Ray cluster.
         placement: "colocated" (HybridEngine: one engine per DP group on the actor's workers, weights
             streamed in place), "split" (``rollout_workers`` engines on their own workers; weights
             gathered to the actor's rank 0 and sent from there over a weight channel), or an

@@ -80,8 +80,10 @@ class RLWorkers:
         from rlkit.cluster import Cluster
         from rlkit.workers.group import WorkerGroup
 
-        if cluster is None:
-            cluster = Cluster(num_cpus=max(os.cpu_count() or 1, placement.world_size))
+        if cluster is None:  # the live cluster of this process where it has room, else an embedded one
+            live = Cluster.current()
+            cluster = live if live is not None and live.num_devices >= placement.world_size else \
+                Cluster(num_cpus=max(os.cpu_count() or 1, placement.world_size))
         # more ranks than devices: a fraction of a CPU each, with an OversubscribedWarning giving the numbers
         cpus = cluster.cpus_per_rank(placement.world_size)
         gpw = cluster.gpus_per_worker
