@@ -158,9 +158,11 @@ print("PIDS", [i["pid"] for i in trainer.group.info])
 @pytest.mark.timeout(400)
 def test_notebook_cell_building_a_trainer_runs_twice(kernel):
     import psutil
+    from test_quiet import assert_quiet
 
     first = run_cell(kernel, BUILD_CELL)
     assert not first["error"], first["error"]
+    assert_quiet(first["stderr"])  # starting Ray and the workers: no progress bars, no Ray banners
     pids1 = eval(first["stdout"].split("PIDS", 1)[1].strip())
     assert len(pids1) == 2 and all(psutil.pid_exists(p) for p in pids1)
     # the second run returns (it used to wait forever for the CPUs the first Trainer still held)
@@ -179,3 +181,9 @@ def test_notebook_cell_building_a_trainer_runs_twice(kernel):
                            "    print('OLD', e)\nprint('ROWS', len(trainer.fit(steps=1, view='none')))")
     assert not res["error"], res["error"]
     assert "OLD this Trainer was closed" in res["stdout"] and "ROWS 1" in res["stdout"], res
+    assert_quiet(res["stderr"])  # fit in a notebook kernel: no progress bars
+    # worker errors still arrive, with their traceback (Ray's forwarding of plain worker prints into a
+    # kernel is asynchronous and was seen to miss a 60 s window in CI, so it is not asserted here)
+    res = run_cell(kernel, "try:\n    trainer.group.call_rank0('no_such_method')\nexcept rlkit.WorkerError as e:\n"
+                           "    print('CAUGHT', type(e).__name__, 'no_such_method' in str(e))")
+    assert "CAUGHT WorkerError True" in res["stdout"], res
