@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -39,12 +40,33 @@ def _here() -> list[str]:
     return [n for n in NOTEBOOKS if n not in IN_THE_BROWSER or _chromium() is None]
 
 
-@pytest.mark.parametrize("name", _here())
-def test_notebook_runs_top_to_bottom(name):
-    nb = ROOT / name
-    cells = json.loads(nb.read_text())["cells"]
-    assert all(not c.get("outputs") for c in cells if c["cell_type"] == "code")  # committed without outputs
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", str(nb), "-p", "no:cacheprovider",
+# The notebooks run two at a time, each in its own kernel with its own Ray: much of one notebook's time is
+# waiting (a kernel, Ray and its workers starting, processes joining), which the other one fills.
+# RLKIT_NOTEBOOK_PARALLEL=1 runs them one by one.
+PARALLEL = int(os.environ.get("RLKIT_NOTEBOOK_PARALLEL", "2"))
+
+
+def _run(name: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", str(ROOT / name), "-p", "no:cacheprovider",
                            "-q", "-o", "addopts="], capture_output=True, text=True, timeout=900, cwd=ROOT,
                           env=dict(os.environ, RLKIT_NOTEBOOK_STEPS="2"))
+
+
+@pytest.fixture(scope="module")
+def started():
+    """Every notebook of this file, started ``PARALLEL`` at a time (the real-model notebook, the longest,
+    first): name -> its future."""
+    names = sorted(_here(), key=lambda n: not n.startswith("notebooks/"))
+    with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+        futures = {name: pool.submit(_run, name) for name in names}
+        yield futures
+        for f in futures.values():
+            f.cancel()
+
+
+@pytest.mark.parametrize("name", _here())
+def test_notebook_runs_top_to_bottom(name, started):
+    cells = json.loads((ROOT / name).read_text())["cells"]
+    assert all(not c.get("outputs") for c in cells if c["cell_type"] == "code")  # committed without outputs
+    proc = started[name].result(timeout=1800)   # the run itself is bounded at 900 s; this, its wait in line
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
