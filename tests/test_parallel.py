@@ -201,6 +201,7 @@ REAL_TOL = {"max_dlogprob": 1e-4, "max_dentropy": 1e-4, "max_dgrad": 5e-4, "max_
             "max_dlogprob_gathered_model": 5e-4, "max_drelayout": 1e-5, "loss_rel": 2e-5, "grad_norm_rel": 1e-4}
 REAL_PLANS = {  # lr=2e-5: a fine-tuning step (lr=1e-3 moves pretrained weights by ~5% a step)
     "tp3": (3, ["--tp", "3", "--lr", "2e-5"]),
+    "tp3_30_layers": (3, ["--tp", "3", "--lr", "2e-5"]),
     "pp3": (3, ["--pp", "3", "--micro-batches", "3", "--lr", "2e-5"]),
     "dp2": (2, ["--dp", "2", "--lr", "2e-5"]),
     "pp2": (2, ["--pp", "2", "--micro-batches", "2", "--lr", "2e-5"]),
@@ -208,14 +209,12 @@ REAL_PLANS = {  # lr=2e-5: a fine-tuning step (lr=1e-3 moves pretrained weights 
     "dp2_padding_free": (2, ["--dp", "2", "--lr", "2e-5", "--padding-free", "--token-budget", "48",
                              "--micro-batch-size", "8", "--seq-len", "24"]),
 }
-# tp3 (~1 min) runs in the default suite: the real shapes under TP, the one layout no tiny model has (9 heads,
-# 3 KV heads). The others are the long variants of the tiny-model pp, dp and padding-free checks above
-# (~1-1.5 min each, 2.3 min of the default suite for pp3 and dp2_padding_free): `make test-all`.
+# tp3 runs in the default suite: the real shapes under TP, the one layout no tiny model has (9 heads, 3 KV
+# heads), on SmolLM2 cut to its first 4 layers (REAL_LAYERS: the real weights, heads, vocab and tied embeddings,
+# which are what TP shards; the 26 layers more only repeat them, ~30 s more). tp3_30_layers runs the whole
+# model; it and the others, the long variants of the tiny-model pp, dp and padding-free checks above (~1-1.5 min
+# each), run in `make test-all`.
 REAL_SLOW = {"dp2", "pp2", "pp3", "dp2_padding_free", "tp3_30_layers"}
-REAL_PLANS["tp3_30_layers"] = REAL_PLANS["tp3"]
-# The default suite's tp3 runs SmolLM2 cut to its first 4 layers: the real weights, heads, KV heads, vocab
-# and tied embeddings, which are what TP shards; the 26 layers more only repeat them (~1 min more).
-# tp3_30_layers, and every slow variant, runs the whole model.
 REAL_LAYERS = {"tp3": 4}
 
 
