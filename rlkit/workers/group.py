@@ -176,6 +176,24 @@ class GroupFuture:
             self._value, self._done = self._finish(values), True
         return self._value
 
+    def death(self, within_s: float) -> WorkerError | None:
+        """The report of a rank of this call that died (a death seen within ``within_s`` seconds), else None.
+        For a failure elsewhere that a dead peer may have caused: the death is the error to report."""
+        import ray
+
+        if self._done:
+            return None
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=within_s)
+        dead = []
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=_POLL_S * 10)
+            except ray.exceptions.RayActorError as e:
+                dead.append((self.ranks[self.refs.index(ref)], e))
+            except Exception:
+                pass
+        return self.group._report(dead, self.what) if dead else None
+
     def __repr__(self) -> str:
         return f"GroupFuture({self.what}, {len(self.refs)} rank(s), done={self.done()})"
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from rlkit.errors import WorkerError
 from rlkit.parallel.packing import balanced_order
 from rlkit.workers.base import BaseWorkerGroup
 from rlkit.workers.batch import batch_size, concat_batches, take_rows
@@ -44,6 +45,7 @@ class RLWorkers:
         self.env_rows = env_rows  # multi-turn with an environment: requests carry each prompt's dataset row
         self._channel_open = False  # split placement's weight channel (opened at the first sync)
         self._receiving: Any = None  # the rollout workers' last receive_weights in flight
+        self._rollout_calls: list[Any] = []  # split placement: the rollout workers' calls in flight
 
     # ---- start -----------------------------------------------------------------------------------
     @classmethod
@@ -149,6 +151,8 @@ class RLWorkers:
         group = self.rollout_group or self.group
         method = RolloutWorker.generate if self.rollout_group is not None else RLWorker.generate
         future = group.call_dp_async(method, request, seed, **overrides)
+        if self.rollout_group is not None:
+            self._rollout_calls = [f for f in self._rollout_calls if not f.done()] + [future]
         return PendingBatch(self, future, prompts, policy_version)
 
     def sync_weights_async(self) -> SyncInFlight:
@@ -162,8 +166,17 @@ class RLWorkers:
         self._open_channel()
         if self._receiving is not None and self._receiving.done():
             self._receiving.result(self.timeout_s)  # a rollout worker that died is reported as itself, not as the send
-        sent = self.group.call(RLWorker.send_weights, timeout=self.timeout_s)
+        try:
+            sent = self.group.call(RLWorker.send_weights, timeout=self.timeout_s)
+        except WorkerError as e:
+            # a rollout worker killed mid-send shows here first, as the channel's gloo error: name the dead one
+            for future in self._rollout_calls:
+                death = future.death(within_s=5.0)
+                if death is not None:
+                    raise death from e
+            raise
         self._receiving = self.rollout_group.call_async(RolloutWorker.receive_weights, sent[0][0])
+        self._rollout_calls = [f for f in self._rollout_calls if not f.done()] + [self._receiving]
         return SyncInFlight([report for _, report in sent], self._receiving)
 
     def _open_channel(self) -> None:
