@@ -154,7 +154,7 @@ def worker(args: argparse.Namespace) -> None:
                 prompts = [dict(r, _row=tr.rows.index(r)) for r in pick]
             batch = tr.generate(prompts)
             row = tr.update(tr.estimate(batch))
-            ids, am, rm = batch.gen["input_ids"], batch.gen["attention_mask"], batch.gen["response_mask"]
+            ids, am, rm = batch.samples["input_ids"], batch.samples["attention_mask"], batch.samples["response_mask"]
             st = layout_stats(ids, am, padding_free=pf, dp=args.dp, token_budget=common["micro_batch_tokens"])
             resp = rm.sum(1)
             steps.append({"step": s + 1, "update_s": row["timing/update"], "step_s": row["timing/step"],

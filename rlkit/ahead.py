@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rlkit.batch import Batch
+
 
 @dataclass
 class InFlight:
@@ -72,12 +74,12 @@ class AheadQueue:
         """The oldest generation: the one the next step trains on."""
         return self._q.popleft()
 
-    def put_back(self, step: int, gen: dict[str, Any], prompts: list[dict[str, Any]], sync_report: Any) -> None:
+    def put_back(self, step: int, samples: Batch, prompts: list[dict[str, Any]], sync_report: Any) -> None:
         """A batch taken but not trained (a Ctrl-C before its update): first in line again, as it was."""
         from rlkit.workers.rl_workers import PendingBatch, SyncInFlight
 
-        version = int(gen["policy_version"][0])
-        self._q.appendleft(InFlight(step, PendingBatch.ready(gen, prompts, version), SyncInFlight(sync_report)))
+        version = int(samples.policy_version[0])
+        self._q.appendleft(InFlight(step, PendingBatch.ready(samples, prompts, version), SyncInFlight(sync_report)))
 
     def saved(self, timeout_s: float) -> list[tuple]:
         """Every entry, waited for, as plain data for a checkpoint: ``(step, batch, prompts, version, sync)``."""

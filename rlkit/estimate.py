@@ -4,32 +4,33 @@ engine-against-trainer mismatch with its optional importance weights. Plain func
 config says which.
 
 >>> import torch
+>>> from rlkit.batch import Batch
 >>> from rlkit.config import TrainerConfig
 >>> mask = torch.ones(4, 2)
->>> tensors = {"response_mask": mask}
->>> kl = step_advantages(tensors, torch.tensor([1., 0., 0., 1.]), [0, 0, 1, 1], mask, config=TrainerConfig(),
-...                      estimator="grpo", kl_ctl=None, sampling_logprobs=None, rollout_logprobs=torch.zeros(4, 2))
->>> kl is None, tensors["advantages"][:, 0].tolist()
+>>> b = Batch(input_ids=torch.zeros(4, 3, dtype=torch.long), attention_mask=torch.ones(4, 3, dtype=torch.long),
+...           response_mask=mask, rollout_logprobs=torch.zeros(4, 2), uid=[0, 0, 1, 1])
+>>> kl = step_advantages(b, torch.tensor([1., 0., 0., 1.]), mask, config=TrainerConfig(), estimator="grpo",
+...                      kl_ctl=None, sampling_logprobs=None)
+>>> kl is None, b.advantages[:, 0].tolist()
 (True, [0.7071..., -0.7071..., -0.7071..., 0.7071...])
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from rlkit.batch import Batch
 from rlkit.step_batch import masked_stat
 
 
-def step_advantages(tensors: dict[str, Any], scores: torch.Tensor, uids: Sequence[Any], mask: torch.Tensor, *,
-               config: Any, estimator: str, kl_ctl: Any, sampling_logprobs: torch.Tensor | None,
-               rollout_logprobs: torch.Tensor) -> float | None:
-    """``tensors["advantages"]`` and ``["returns"]`` by ``estimator``; the KL in the reward (``kl_in_reward``,
-    against the policy that sampled: ``sampling_logprobs`` are pi_old's) or its measure. ``uids``: each
-    sample's prompt (GRPO's group); ``mask``: the tokens that carry loss (all zero: a sample without reward,
-    a group of its own). Returns the mean KL (None when not measured)."""
+def step_advantages(batch: Batch, scores: torch.Tensor, mask: torch.Tensor, *, config: Any, estimator: str,
+                    kl_ctl: Any, sampling_logprobs: torch.Tensor | None) -> float | None:
+    """``batch.advantages`` and ``batch.returns`` by ``estimator`` (GRPO's groups: the samples' ``uid``); the KL
+    in the reward (``kl_in_reward``, against the policy that sampled: ``sampling_logprobs`` are pi_old's) or
+    its measure. ``mask``: the tokens that carry loss (all zero: a sample without reward, a group of its
+    own). Returns the mean KL (None when not measured)."""
     from rlkit.algos import (
         apply_kl_penalty,
         compute_advantages,
@@ -42,35 +43,33 @@ def step_advantages(tensors: dict[str, Any], scores: torch.Tensor, uids: Sequenc
     rewards, kl_mean = scores, None
     if c.kl_coef > 0 and c.kl_in_reward:
         rewards, kl_mean = apply_kl_penalty(last_token_rewards(scores, mask), sampling_logprobs,
-                                            tensors["ref_logprobs"], mask, kl_ctl, kind="k1")
+                                            batch.ref_logprobs, mask, kl_ctl, kind="k1")
         kl_ctl.update(kl_mean, len(scores))
-    elif c.kl_coef > 0 and "old_logprobs" in tensors:
-        kl_mean = masked_stat(kl_penalty(tensors["old_logprobs"], tensors["ref_logprobs"], c.kl_kind), mask, "mean")
+    elif c.kl_coef > 0 and batch.old_logprobs is not None:
+        kl_mean = masked_stat(kl_penalty(batch.old_logprobs, batch.ref_logprobs, c.kl_kind), mask, "mean")
     # a sample with no reward (skipped, dropped) is a group of its own: it moves no baseline of the others
     skipped = ~mask.bool().any(1)
-    groups = [("skipped", i) if s else u for i, (u, s) in enumerate(zip(uids, skipped.tolist()))]
+    groups = [("skipped", i) if s else u for i, (u, s) in enumerate(zip(batch.uid, skipped.tolist()))]
     adv, returns = compute_advantages(
-        estimator, rewards, mask, values=tensors.get("values"), group_ids=groups,
-        ref_logprobs=tensors.get("ref_logprobs"),
-        logprobs=sampling_logprobs if sampling_logprobs is not None else rollout_logprobs,
+        estimator, rewards, mask, values=batch.values, group_ids=groups, ref_logprobs=batch.ref_logprobs,
+        logprobs=sampling_logprobs if sampling_logprobs is not None else batch.rollout_logprobs,
         **estimator_options(estimator, gamma=c.gamma, lam=c.lam))
-    tensors["advantages"], tensors["returns"] = adv * mask, returns
+    batch.advantages, batch.returns = adv * mask, returns
     return kl_mean
 
 
-def offpolicy_metrics(tensors: dict[str, Any], old: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, *,
-              config: Any) -> dict[str, float]:
-    """The engine/trainer mismatch metrics of pi_old (``old``) against the engine's mu (``behaviour``); with
-    ``config.offpolicy_correction`` also the importance weights pi_old / mu (truncated or masked,
-    ``rlkit.algos.offpolicy``), folded into ``tensors["advantages"]``."""
+def offpolicy_metrics(batch: Batch, old: torch.Tensor, mask: torch.Tensor, *, config: Any) -> dict[str, float]:
+    """The engine/trainer mismatch metrics of pi_old (``old``) against the engine's mu
+    (``batch.rollout_logprobs``); with ``config.offpolicy_correction`` also the importance weights pi_old / mu
+    (truncated or masked, ``rlkit.algos.offpolicy``), folded into ``batch.advantages``."""
     from rlkit.algos.offpolicy import importance_weights, mismatch_metrics
 
-    c = config
+    c, behaviour = config, batch.rollout_logprobs
     if c.offpolicy_correction is None:
         return mismatch_metrics(old, behaviour, mask)
     weights, metrics = importance_weights(old, behaviour, mask, mode=c.offpolicy_correction,
                                           cap=c.offpolicy_cap, level=c.offpolicy_level)
-    tensors["advantages"] = tensors["advantages"] * weights
+    batch.advantages = batch.advantages * weights
     return metrics
 
 

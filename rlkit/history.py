@@ -5,10 +5,11 @@ reward, and for multi-turn episodes the conversation and its counts) and when ea
 update ran (``Trainer.timeline``).
 
 >>> import torch
+>>> from rlkit.batch import Batch
 >>> h = History()
->>> gen = {"uid": [0, 0], "completion": ["ab", "c"], "input_ids": torch.tensor([[5, 1, 2], [5, 3, 0]]),
-...        "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}
->>> h.add_step({"step": 1, "reward/mean": 0.5}, [{"prompt": "p"}], gen, torch.tensor([1.0, 0.0]),
+>>> samples = Batch(input_ids=torch.tensor([[5, 1, 2], [5, 3, 0]]), attention_mask=torch.tensor([[1, 1, 1], [1, 1, 0]]),
+...                 response_mask=torch.tensor([[1., 1.], [1., 0.]]), uid=[0, 0], completion=["ab", "c"])
+>>> h.add_step({"step": 1, "reward/mean": 0.5}, [{"prompt": "p"}], samples, torch.tensor([1.0, 0.0]),
 ...            step=1, prompt_len=1, keep=512)
 >>> h.samples(step=1)[["completion", "reward"]].values.tolist()
 [['ab', 1.0], ['c', 0.0]]
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 
+from rlkit.batch import Batch
+
 
 class History:
     """A trainer's steps as recorded: ``rows`` (the metrics rows, saved with a checkpoint), the last ``keep``
@@ -34,20 +37,21 @@ class History:
         self._samples: list[dict[str, Any]] = []
         self._timeline: list[dict[str, Any]] = []
 
-    def add_step(self, row: dict[str, Any], prompts: list[dict[str, Any]], gen: dict[str, Any],
+    def add_step(self, row: dict[str, Any], prompts: list[dict[str, Any]], samples: Batch,
                  scores: torch.Tensor, *, step: int, prompt_len: int, keep: int) -> None:
         """Step ``step``'s metrics ``row``, and its samples (the ``keep`` newest samples stay)."""
         from rlkit.agent.episodes import conversation_text
 
         self.rows.append(row)
-        for i, u in enumerate(gen["uid"]):
-            ids = gen["input_ids"][i, prompt_len:][gen["attention_mask"][i, prompt_len:].bool()]
-            sample = {"step": step, "prompt": prompts[u]["prompt"], "completion": conversation_text(gen["completion"][i]),
+        s = samples
+        for i, u in enumerate(s.uid):
+            ids = s.input_ids[i, prompt_len:][s.attention_mask[i, prompt_len:].bool()]
+            sample = {"step": step, "prompt": prompts[u]["prompt"], "completion": conversation_text(s.completion[i]),
                       "reward": float(scores[i]), "completion_ids": ids.tolist()}
-            if "episode" in gen:  # multi-turn: the conversation (tool messages marked) and the episode's counts
-                ep = gen["episode"][i]
+            if s.episode is not None:  # multi-turn: the conversation (tool messages marked) and the episode's counts
+                ep = s.episode[i]
                 sample.update(turns=ep["turns"], tool_calls=ep["tool_calls"], tool_errors=ep["tool_errors"],
-                              finish_reason=gen["finish_reason"][i], messages=gen["completion"][i])
+                              finish_reason=s.finish_reason[i], messages=s.completion[i])
             self._samples.append(sample)
         del self._samples[:max(0, len(self._samples) - keep)]  # [:-0] would keep all
 

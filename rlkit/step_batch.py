@@ -8,10 +8,11 @@ no loss: every layout keeps its shapes) or ``set_rewards``. ``trainer.train_step
 ``update(estimate(generate()))``.
 
 >>> import torch
->>> gen = {"uid": [0, 0], "completion": ["ab", "cd"], "finish_reason": ["stop", "length"],
-...        "columns": {"prompt": ["p", "p"]}, "response_mask": torch.tensor([[1., 1.], [1., 0.]]),
-...        "rollout_logprobs": torch.tensor([[-0.5, -1.0], [-2.0, 0.0]])}
->>> b = StepBatch(step=0, prompts=[{"prompt": "p", "_row": 3}], gen=gen, rewards=torch.tensor([1.0, 0.0]))
+>>> from rlkit.batch import Batch
+>>> samples = Batch(input_ids=torch.zeros(2, 3, dtype=torch.long), attention_mask=torch.ones(2, 3, dtype=torch.long),
+...                 response_mask=torch.tensor([[1., 1.], [1., 0.]]), rollout_logprobs=torch.tensor([[-0.5, -1.0], [-2.0, 0.0]]),
+...                 uid=[0, 0], completion=["ab", "cd"], finish_reason=["stop", "length"], columns={"prompt": ["p", "p"]})
+>>> b = StepBatch(step=0, prompts=[{"prompt": "p", "_row": 3}], samples=samples, rewards=torch.tensor([1.0, 0.0]))
 >>> b.table()[["uid", "row", "completion", "reward", "tokens"]].values.tolist()
 [[0, 3, 'ab', 1.0, 2], [0, 3, 'cd', 0.0, 1]]
 >>> b.drop([1]).rewards.tolist()          # NaN: no reward, no loss
@@ -28,31 +29,31 @@ from typing import Any
 
 import torch
 
+from rlkit.batch import Batch
+
 
 @dataclass
 class StepBatch:
-    """The samples of one step: ``gen`` (the engines' batch, ``rlkit.workers.layout``'s keys, plus the
-    prompt rows' ``columns``), ``rewards`` (one per sample; NaN: no reward, the sample carries no loss),
-    the prompts they answer, the step (policy version) that sampled them and the phases' seconds.
-
-    ``tensors`` holds what ``trainer.estimate`` added (``ref_logprobs``, ``values``, ``old_logprobs``,
-    ``advantages``, ``returns``); ``estimated`` says whether it ran.
+    """The samples of one step: ``samples`` (an ``rlkit.batch.Batch``: the engines' samples with their prompt
+    rows' ``columns``; ``trainer.estimate`` adds ``ref_logprobs``, ``values``, ``old_logprobs``,
+    ``advantages``, ``returns`` and says so in ``estimated``), ``rewards`` (one per sample; NaN: no
+    reward, the sample carries no loss), the prompts they answer, the step (policy version) that sampled
+    them and the phases' seconds.
     """
 
     step: int
     prompts: list[dict[str, Any]]
-    gen: dict[str, Any]
+    samples: Batch
     rewards: torch.Tensor
     timings: dict[str, float] = field(default_factory=dict)
     sync: list[dict[str, float]] = field(default_factory=list)
     started: float = 0.0
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     estimated: bool = False
     kl_mean: float | None = None
     offpolicy: dict[str, float] = field(default_factory=dict)  # engine vs trainer (rlkit.algos.offpolicy)
 
     def __len__(self) -> int:
-        return len(self.gen["uid"])
+        return len(self.samples)
 
     # ---- changing it ----------------------------------------------------------------------------
     def drop(self, samples: Sequence[int] | torch.Tensor) -> StepBatch:
@@ -68,10 +69,11 @@ class StepBatch:
         if self.estimated:
             keep = torch.ones(len(self), dtype=torch.bool)
             keep[idx] = False
-            self.gen["response_mask"] *= keep[:, None].float()
-            if "loss_mask" in self.gen:
-                self.gen["loss_mask"] *= keep[:, None].float()
-            self.tensors["advantages"] = self.tensors["advantages"] * keep[:, None]
+            s = self.samples
+            s.response_mask *= keep[:, None].float()
+            if s.loss_mask is not None:
+                s.loss_mask *= keep[:, None].float()
+            s.advantages = s.advantages * keep[:, None]
         return self
 
     def set_rewards(self, rewards: Sequence[float | None] | torch.Tensor) -> StepBatch:
@@ -97,29 +99,29 @@ class StepBatch:
         return s
 
     # ---- its metrics ------------------------------------------------------------------------------
-    def metrics_row(self, step: int, layout: Any, settings: Any, actor: dict[str, float],
+    def metrics_row(self, step: int, settings: Any, actor: dict[str, float],
                     critic: dict[str, float]) -> dict[str, float]:
         """The metrics row of the step that trained on this batch (``step``: its number, 1-based): rewards,
         lengths, advantages, the updates' metrics, phase seconds, the sync's bytes and every process's memory."""
-        t, gen, tensors = self.timings, self.gen, self.tensors
+        t, s = self.timings, self.samples
         valid = torch.isfinite(self.rewards)
         scores = torch.nan_to_num(self.rewards, nan=0.0)
-        mask = layout.loss_mask(tensors)
+        mask = s.loss_tokens
         lengths = mask.sum(1)
         row = {"step": step, "reward/mean": scores[valid].mean().item() if valid.any() else math.nan,
                "reward/std": scores[valid].std().item() if valid.sum() > 1 else 0.0,
                "reward/skipped": int((~valid).sum()), "response_length/mean": lengths.mean().item(),
-               "advantages/mean": masked_stat(tensors["advantages"], mask, "mean"),
-               "advantages/std": masked_stat(tensors["advantages"], mask, "std"),
+               "advantages/mean": masked_stat(s.advantages, mask, "mean"),
+               "advantages/std": masked_stat(s.advantages, mask, "std"),
                "entropy": actor.get("actor/entropy", math.nan), "actor/lr": settings.lr, **actor, **critic}
         row.update(self.offpolicy)
-        if "episode" in gen:  # multi-turn: turns, tool calls and errors, truncations (rlkit.agent)
+        if s.episode is not None:  # multi-turn: turns, tool calls and errors, truncations (rlkit.agent)
             from rlkit.agent.episodes import episode_metrics
 
-            row.update(episode_metrics(gen["episode"]))
-            row["timing/tools"] = float(gen.get("timing_tools", 0.0) or 0.0)
-        if "policy_version" in gen:  # how many updates behind the actor the sampling policy was (async RL)
-            lag = (step - 1) - gen["policy_version"].float()
+            row.update(episode_metrics(s.episode))
+            row["timing/tools"] = float(s.timing_tools or 0.0)
+        if s.policy_version is not None:  # how many updates behind the actor the sampling policy was (async RL)
+            lag = (step - 1) - s.policy_version.float()
             row["offpolicy/staleness_mean"], row["offpolicy/staleness_max"] = lag.mean().item(), lag.max().item()
         if self.kl_mean is not None:
             row["kl"] = self.kl_mean
@@ -127,7 +129,7 @@ class StepBatch:
             row["kl"] = actor["actor/kl_loss"]
         row.update({f"timing/{k}": v for k, v in t.items()})
         row["timing/step"] = time.perf_counter() - self.started
-        row["tokens_per_s"] = float(gen["attention_mask"].sum()) / row["timing/step"]
+        row["tokens_per_s"] = float(s.attention_mask.sum()) / row["timing/step"]
         sync = self.sync
         row["sync/bytes"] = max(s["bytes"] for s in sync)
         row["sync/seconds"] = max(s["seconds"] for s in sync)
@@ -148,21 +150,21 @@ class StepBatch:
 
         from rlkit.agent.episodes import conversation_text
 
-        mask = self.gen["response_mask"]
-        tokens = mask.sum(1)
-        cols = self.gen["columns"]
+        s = self.samples
+        tokens = s.response_mask.sum(1)
+        cols = s.columns or {}
         row_of = {i: p.get("_row") for i, p in enumerate(self.prompts)}
         df = pd.DataFrame({
-            "uid": list(self.gen["uid"]), "row": [row_of.get(u) for u in self.gen["uid"]],
+            "uid": list(s.uid), "row": [row_of.get(u) for u in s.uid],
             "prompt": list(cols.get("prompt", [None] * len(self))),
-            "completion": [conversation_text(c) for c in self.gen["completion"]],
+            "completion": [conversation_text(c) for c in s.completion],
             "reward": self.rewards.tolist(), "tokens": tokens.long().tolist(),
-            "finish_reason": list(self.gen.get("finish_reason", [None] * len(self)))})
-        if "advantages" in self.tensors:
-            df["advantage"] = (self.tensors["advantages"].sum(1) / tokens.clamp(min=1)).tolist()
+            "finish_reason": list(s.finish_reason or [None] * len(self))})
+        if self.estimated:
+            df["advantage"] = (s.advantages.sum(1) / tokens.clamp(min=1)).tolist()
         if logprobs:
-            for name, t in (("logprobs", self.gen["rollout_logprobs"]), ("old_logprobs", self.tensors.get("old_logprobs")),
-                            ("ref_logprobs", self.tensors.get("ref_logprobs"))):
+            for name, t in (("logprobs", s.rollout_logprobs), ("old_logprobs", s.old_logprobs),
+                            ("ref_logprobs", s.ref_logprobs)):
                 if t is not None:
                     df[name] = [t[i, :int(n)].tolist() for i, n in enumerate(tokens)]
         return df

@@ -22,6 +22,7 @@ import torch
 from rlkit import inputs
 from rlkit.ahead import AheadQueue
 from rlkit.algos import get_algorithm, get_policy_loss, known_algorithms
+from rlkit.batch import Batch
 from rlkit.config import TrainerConfig
 from rlkit.data import heldout_split
 from rlkit.errors import RewardError, TrainerError
@@ -223,7 +224,7 @@ class Trainer(TrainerIO):
         return self.update(self.estimate(batch))
 
     def _put_back(self, batch: StepBatch) -> None:
-        self._ahead.put_back(batch.step, batch.gen, batch.prompts, batch.sync)
+        self._ahead.put_back(batch.step, batch.samples.generated(), batch.prompts, batch.sync)
 
     # ---- one step, in three calls (a notebook can run each in its own cell) ------------------------
     def generate(self, prompts: Sequence[dict[str, Any]] | None = None) -> StepBatch:
@@ -241,10 +242,11 @@ class Trainer(TrainerIO):
         with _timer(t, "sync"):
             sync = w.sync_weights()
         with _timer(t, "generate"):
-            gen = w.generate(rows, seed=c.seed * 100_003 + self.step, policy_version=self.step)
+            samples = w.generate(rows, seed=c.seed * 100_003 + self.step, policy_version=self.step)
         with _timer(t, "reward"):
-            given = self._score(gen)  # NaN: no reward
-        return StepBatch(step=self.step, prompts=rows, gen=gen, rewards=given, timings=t, sync=sync, started=t_step)
+            given = self._score(samples)  # NaN: no reward
+        return StepBatch(step=self.step, prompts=rows, samples=samples, rewards=given, timings=t, sync=sync,
+                         started=t_step)
 
     def _generate_ahead(self) -> StepBatch:
         """Asynchronous RL (``off_policy_steps = k > 0``, split placement): this step's batch, sampled while
@@ -257,11 +259,11 @@ class Trainer(TrainerIO):
         first = self._ahead.fill(w, self.step, c.off_policy_steps + 1, self._prompts_of,
                                  lambda step: c.seed * 100_003 + step)
         with _timer(t, "wait_generate"):  # what the trainer waited for: the generation it did not hide
-            gen = first.pending.result()
+            samples = first.pending.result()
         with _timer(t, "reward"):
-            given = self._score(gen)
-        t["generate"] = float(gen.get("timing", 0.0) or 0.0)  # the engines' own time, overlapped with training
-        return StepBatch(step=first.step, prompts=first.pending.prompts, gen=gen, rewards=given, timings=t,
+            given = self._score(samples)
+        t["generate"] = float(samples.timing or 0.0)  # the engines' own time, overlapped with training
+        return StepBatch(step=first.step, prompts=first.pending.prompts, samples=samples, rewards=given, timings=t,
                          sync=first.sync.result(self.config.timeout_s), started=t_step)
 
     def estimate(self, batch: StepBatch) -> StepBatch:
@@ -270,35 +272,33 @@ class Trainer(TrainerIO):
         In place; returns the batch (a second call does nothing)."""
         if batch.estimated:
             return batch
-        t, w, gen = batch.timings, self._live_workers(), batch.gen
-        tensors = {k: gen[k] for k in ("input_ids", "attention_mask", "response_mask", "loss_mask", "policy_version")
-                   if k in gen}
+        t, w, s = batch.timings, self._live_workers(), batch.samples
+        sent = s.tensors_only()  # what the workers' passes read (the text stays here)
         valid = torch.isfinite(batch.rewards)
-        mask = self.layout.loss_mask(tensors)
+        mask = s.loss_tokens
         mask *= valid[:, None].float()  # samples whose reward is NaN are skipped (counted in the row)
         scores = torch.nan_to_num(batch.rewards, nan=0.0)
         p = self.passes  # decided in one place (rlkit.algos.Needs.passes)
         if p.reference:
             with _timer(t, "ref"):
-                tensors["ref_logprobs"] = w.ref_logprobs(tensors)
+                s.ref_logprobs = w.ref_logprobs(sent)
         if p.values:
             with _timer(t, "values"):
-                tensors["values"] = w.values(tensors)
+                s.values = w.values(sent)
         if p.fused_offpolicy:  # the update weighs by pi_old / mu on its own first forward
-            tensors["behaviour_logprobs"] = gen["rollout_logprobs"]
+            s.behaviour_logprobs = s.rollout_logprobs
         if p.old_logprobs:
             with _timer(t, "old_logprobs"):
-                tensors["old_logprobs"] = w.old_logprobs(tensors)
-        sampling_logprobs = tensors.get("old_logprobs")
+                s.old_logprobs = w.old_logprobs(sent)
+        sampling_logprobs = s.old_logprobs
         if p.kl_old_logprobs:  # the KL penalty in the reward needs pi_old
             with _timer(t, "old_logprobs"):
-                sampling_logprobs = w.old_logprobs(tensors)
+                sampling_logprobs = w.old_logprobs(sent)
         with _timer(t, "advantage"):
-            batch.kl_mean = self._advantages(tensors, scores, gen, sampling_logprobs)
+            batch.kl_mean = self._advantages(s, scores, mask, sampling_logprobs)
         if sampling_logprobs is not None:  # the engine against the trainer, on the tokens that carry loss
-            batch.offpolicy = offpolicy_metrics(tensors, sampling_logprobs, gen["rollout_logprobs"], mask,
-                                                config=self.config)
-        batch.tensors, batch.estimated = tensors, True
+            batch.offpolicy = offpolicy_metrics(s, sampling_logprobs, mask, config=self.config)
+        batch.estimated = True
         return batch
 
     def update(self, batch: StepBatch) -> dict[str, float]:
@@ -315,16 +315,16 @@ class Trainer(TrainerIO):
         critic = {}
         if self.passes.values:
             with _timer(t, "update_critic"):
-                critic = w.update_critic(batch.tensors, settings)
+                critic = w.update_critic(batch.samples.tensors_only(), settings)
         started = time.time()
         with _timer(t, "update"):
-            actor = w.update_actor(batch.tensors, settings)
-        self.history.add_phases(batch.step + 1, batch.gen.get("gen_window"), started, time.time())
+            actor = w.update_actor(batch.samples.tensors_only(), settings)
+        self.history.add_phases(batch.step + 1, batch.samples.gen_window, started, time.time())
         for key in [k for k in actor if k.startswith("actor/offpolicy/")]:  # the correction taken in the update
             batch.offpolicy[key.removeprefix("actor/")] = actor.pop(key)
         self.step += 1
-        row = batch.metrics_row(self.step, self.layout, settings, actor, critic)
-        self._log(row, batch.prompts, batch.gen, batch.rewards)
+        row = batch.metrics_row(self.step, settings, actor, critic)
+        self._log(row, batch.prompts, batch.samples, batch.rewards)
         return row
 
     def _live_workers(self):
@@ -341,12 +341,12 @@ class Trainer(TrainerIO):
             return inputs.render_episodes(rows, self.tokenizer, self.model_path, self.agent)
         return inputs.render_chats(rows, self.tokenizer, self.model_path)
 
-    def _score(self, gen: dict[str, Any]) -> torch.Tensor:
+    def _score(self, samples: Batch) -> torch.Tensor:
         """Each sample's reward: the reward functions' weighted sum (a multi-turn completion is its
         conversation, TRL's conversational format), plus what an environment returned over the episode."""
-        scores = self.rewards.score(gen["columns"], gen["completion"])  # no functions (an environment's): zeros
-        if "episode" in gen:
-            scores = scores + torch.tensor([e.get("env_reward") or 0.0 for e in gen["episode"]], dtype=scores.dtype)
+        scores = self.rewards.score(samples.columns, samples.completion)  # no functions (an environment's): zeros
+        if samples.episode is not None:
+            scores = scores + torch.tensor([e.get("env_reward") or 0.0 for e in samples.episode], dtype=scores.dtype)
         return scores
 
     def _next_prompts(self) -> list[dict[str, Any]]:
@@ -363,22 +363,20 @@ class Trainer(TrainerIO):
             out.append(dict(self.rows[order[pos]], _row=order[pos]))
         return out
 
-
-    def _advantages(self, tensors: dict[str, Any], scores: torch.Tensor, gen: dict[str, Any],
+    def _advantages(self, samples: Batch, scores: torch.Tensor, mask: torch.Tensor,
                     sampling_logprobs: torch.Tensor | None) -> float | None:
-        """``tensors["advantages"]`` / ``["returns"]`` of the scored samples ``gen`` (``rlkit.estimate``)."""
-        return step_advantages(tensors, scores, gen["uid"], self.layout.loss_mask(tensors), config=self.config,
-                               estimator=self.algo.advantage, kl_ctl=self.kl_ctl,
-                               sampling_logprobs=sampling_logprobs, rollout_logprobs=gen["rollout_logprobs"])
+        """``samples.advantages`` / ``.returns`` by the algorithm's estimator (``rlkit.estimate``); the mean KL."""
+        return step_advantages(samples, scores, mask, config=self.config, estimator=self.algo.advantage,
+                               kl_ctl=self.kl_ctl, sampling_logprobs=sampling_logprobs)
 
     def update_settings(self):
         """The ``UpdateSettings`` the next update takes (learning rate of this step, PPO settings, loss)."""
         return self.config.update_settings(self.step, self.policy_loss)
 
     # ---- results ---------------------------------------------------------------------------------
-    def _log(self, row: dict[str, Any], prompts: list[dict[str, Any]], gen: dict[str, Any],
+    def _log(self, row: dict[str, Any], prompts: list[dict[str, Any]], samples: Batch,
              scores: torch.Tensor) -> None:
-        self.history.add_step(row, prompts, gen, scores, step=self.step, prompt_len=self.layout.prompt_len,
+        self.history.add_step(row, prompts, samples, scores, step=self.step, prompt_len=self.layout.prompt_len,
                               keep=self.config.keep_samples)
         # metrics.jsonl is always this trainer's history (== self.metrics), rewritten atomically: a crash
         # never leaves half a line, and a resumed run never repeats step numbers (see load)
@@ -427,14 +425,14 @@ class Trainer(TrainerIO):
         rows = rows[:len(rows) - len(rows) % self.plan.dp] or rows
         overrides = {"n": 1, **({"temperature": 0.0} if greedy else {})}
         self.workers.sync_weights()
-        gen = self.workers.generate(rows, seed=10**6 + self.step, policy_version=self.step, **overrides)
-        scores = self._score(gen)
+        samples = self.workers.generate(rows, seed=10**6 + self.step, policy_version=self.step, **overrides)
+        scores = self._score(samples)
         ok = torch.isfinite(scores)
         out = {"reward": scores[ok].mean().item(), "exact": (scores[ok] == 1).float().mean().item(), "n": int(ok.sum())}
-        if "episode" in gen:  # multi-turn: the same episodes as training, and their tool use
+        if samples.episode is not None:  # multi-turn: the same episodes as training, and their tool use
             from rlkit.agent.episodes import episode_metrics
 
-            out.update(episode_metrics(gen["episode"]))
+            out.update(episode_metrics(samples.episode))
         return out
 
     def close(self) -> None:

@@ -169,7 +169,7 @@ def test_episodes_are_token_in_token_out_masked_and_score_like_a_forward(tool_mo
     tr = _trainer(tool_model, tmp_path, "one")
     try:
         batch = tr.generate()
-        gen, P = batch.gen, tr.layout.prompt_len
+        gen, P = batch.samples, tr.layout.prompt_len
         eps = gen["episode"]
         assert all(e["tool_calls"] == 1 and e["turns"] >= 2 for e in eps), eps  # turn 1 is the scripted call
         assert set(gen["finish_reason"]) <= {"stop", "length", "max_tokens"}, gen["finish_reason"]
@@ -230,7 +230,7 @@ def test_tool_tokens_carry_no_gradient_whatever_the_tool_said(tool_model, tmp_pa
     tr = _trainer(tool_model, tmp_path, "grad")
     try:
         batch = tr.estimate(tr.generate())
-        tensors, P = dict(batch.tensors), tr.layout.prompt_len
+        tensors, P = dict(batch.samples), tr.layout.prompt_len
         tensors["ref_logprobs"] = tensors["ref_logprobs"] - 0.1  # a KL that is not zero
         settings = tr.update_settings()
         model, _ = load(tool_model)
@@ -294,7 +294,7 @@ def test_a_failing_or_hanging_tool_is_counted_and_the_run_goes_on(tool_model, tm
 def test_bounded_episodes_end_and_are_marked_truncated(tool_model, tmp_path):
     tr = _trainer(tool_model, tmp_path, "bounds", multi_turn=MultiTurn(max_turns=1, tool_prompt=TINY_TOOL_PROMPT))
     try:
-        gen = tr.generate().gen
+        gen = tr.generate().samples
         # every episode calls the tool in its one allowed turn: it ends there, and the call is not run
         assert gen["finish_reason"] == ["max_turns"] * len(gen["episode"])
         assert all(e["turns"] == 1 and e["tool_calls"] == 1 for e in gen["episode"]), gen["episode"]
@@ -304,7 +304,7 @@ def test_bounded_episodes_end_and_are_marked_truncated(tool_model, tmp_path):
     # a budget that holds the call and the tool's reply but not the answer: the episode ends, marked truncated
     tr = _trainer(tool_model, tmp_path, "full", rollout=_rollout(ANSWER))
     try:
-        full = tr.generate().gen
+        full = tr.generate().samples
     finally:
         tr.close()
     assert full["finish_reason"] == ["stop"] * len(full["episode"]), full["finish_reason"]
@@ -315,7 +315,7 @@ def test_bounded_episodes_end_and_are_marked_truncated(tool_model, tmp_path):
     tr = _trainer(tool_model, tmp_path, "short", rollout=_rollout(ANSWER),
                   multi_turn=MultiTurn(max_turns=3, max_tokens=budget, tool_prompt=TINY_TOOL_PROMPT))
     try:
-        gen = tr.generate().gen
+        gen = tr.generate().samples
         assert gen["response_mask"].sum(1).max() <= budget
         assert gen["finish_reason"] == ["max_tokens"] * len(gen["episode"])
         assert all(e["truncated"] and e["tool_calls"] == 1 for e in gen["episode"]), gen["episode"]
@@ -333,7 +333,7 @@ def test_an_environment_steps_rewards_and_its_messages_are_masked(tmp_path):
     try:
         assert "count down from" in tr.rows[0]["prompt"] and "unused" not in tr.rows[0]["prompt"]
         batch = tr.generate()
-        gen = batch.gen
+        gen = batch.samples
         starts = gen["columns"]["start"]
         assert gen["finish_reason"] == ["done"] * len(starts)  # the environment ended each, after `start` turns
         for e, start, conv in zip(gen["episode"], starts, gen["completion"]):
@@ -352,8 +352,8 @@ def test_an_environment_steps_rewards_and_its_messages_are_masked(tmp_path):
 def _expected(tr, dp: int) -> dict:
     """Step 0's episodes as a lone HF engine samples them, prompt chunk by DP rank with each rank's seed (the
     layout's convention, ``SequenceLayout.rank_seed``): what every layout must produce."""
+    from rlkit.batch import cat
     from rlkit.rollout import HFEngine
-    from rlkit.workers.batch import concat_batches
     from rlkit.workers.layout import generate_batch
 
     engine = HFEngine(tr.model_path, config=tr.rollout)
@@ -366,7 +366,7 @@ def _expected(tr, dp: int) -> dict:
                    "row": [p["_row"] for p in chunk]}
         parts.append(generate_batch(engine, tr.layout, request, tr.layout.rank_seed(tr.config.seed * 100_003, r),
                                     agent=tr.agent))
-    return concat_batches(parts)
+    return cat(parts)
 
 
 def _same_episodes(gen: dict, want: dict, name: str) -> None:
@@ -391,7 +391,7 @@ def test_dp2_on_ray_the_generation_layout_and_split_placement_match_the_one_rank
             batch = tr.generate()
             want = _expected(tr, dp=tr.plan.dp)
             assert all(e["tool_calls"] == 1 for e in want["episode"])
-            _same_episodes(batch.gen, want, name)
+            _same_episodes(batch.samples, want, name)
             same = copy.deepcopy(batch)
             row = tr.update(tr.estimate(batch))
         finally:
@@ -399,7 +399,7 @@ def test_dp2_on_ray_the_generation_layout_and_split_placement_match_the_one_rank
         one = _trainer(tool_model, tmp_path, f"one-{name}", kl_coef=0.0, entropy_coef=0.0)
         try:
             if name != "dp2":  # one DP replica: the one-rank run samples the very same episodes
-                _same_episodes(one.generate().gen, want, "one rank")
+                _same_episodes(one.generate().samples, want, "one rank")
             ref = one.update(one.estimate(same))
         finally:
             one.close()
@@ -432,7 +432,7 @@ def test_generate_takes_rows_of_your_own(tool_model, tmp_path):
     tr = _trainer(tool_model, tmp_path, "own")
     try:
         rows = TASK.dataset(n=2, seed=9, split="test")
-        gen = tr.generate(prompts=list(rows)).gen
+        gen = tr.generate(prompts=list(rows)).samples
         assert gen["columns"]["prompt"][0] == tr.agent.format(tr.tokenizer).render_prompt(rows[0]["prompt"])
         assert gen["columns"]["answer"][0] == rows[0]["answer"] and len(gen["uid"]) == 2 * tr.rollout.n
     finally:

@@ -49,9 +49,9 @@ def _adapter_params(config, r) -> int:
 
 def _engine_gap(tr, batch):
     """max |engine log-prob - trainer log-prob| over the batch's sampled tokens."""
-    old = tr.workers.old_logprobs(batch.tensors)
-    mask = batch.tensors["response_mask"].bool()
-    return (old - batch.gen["rollout_logprobs"])[mask].abs().max().item(), old
+    old = tr.workers.old_logprobs(batch.samples)
+    mask = batch.samples["response_mask"].bool()
+    return (old - batch.samples["rollout_logprobs"])[mask].abs().max().item(), old
 
 
 def test_lora_trains_adapters_only_with_the_base_as_reference_and_saves_for_peft(tmp_path):
@@ -70,9 +70,9 @@ def test_lora_trains_adapters_only_with_the_base_as_reference_and_saves_for_peft
 
         # the reference is the base model: what transformers computes with the checkpoint alone
         base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
-        expected_ref = layout_logprobs(base, batch.tensors, tr.layout.prompt_len)
-        mask = batch.tensors["response_mask"].bool()
-        assert (batch.tensors["ref_logprobs"] - expected_ref)[mask].abs().max().item() <= TOL
+        expected_ref = layout_logprobs(base, batch.samples, tr.layout.prompt_len)
+        mask = batch.samples["response_mask"].bool()
+        assert (batch.samples["ref_logprobs"] - expected_ref)[mask].abs().max().item() <= TOL
         assert (actor - expected_ref)[mask].abs().max().item() > 1e-3  # and the adapters moved the policy
 
         # only the adapters trained: untargeted layers are the checkpoint's, bit for bit
@@ -95,13 +95,13 @@ def test_lora_trains_adapters_only_with_the_base_as_reference_and_saves_for_peft
         tr.save(tmp_path / "ckpt")
         peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32),
                                                str(tmp_path / "ckpt" / "adapter"))
-        got = layout_logprobs(peft_model, batch.tensors, tr.layout.prompt_len)
+        got = layout_logprobs(peft_model, batch.samples, tr.layout.prompt_len)
         assert (got - actor)[mask].abs().max().item() <= TOL
         alone = tr.save_adapter(tmp_path / "adapter")
         assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
                                                                            "adapter_model.safetensors"], alone
         merged_model = AutoModelForCausalLM.from_pretrained(tr.save_pretrained(tmp_path / "merged"))
-        got = layout_logprobs(merged_model, batch.tensors, tr.layout.prompt_len)
+        got = layout_logprobs(merged_model, batch.samples, tr.layout.prompt_len)
         assert (got - actor)[mask].abs().max().item() <= TOL
 
         # resume is exact: the step after the checkpoint, run twice
@@ -136,11 +136,11 @@ def test_lora_update_raises_the_advantaged_samples(tmp_path):
     try:
         for _ in range(3):
             batch = tr.estimate(tr.generate())
-            before = tr.workers.old_logprobs(batch.tensors)
+            before = tr.workers.old_logprobs(batch.samples)
             tr.update(batch)
-            after = tr.workers.old_logprobs(batch.tensors)
-            moved = ((after - before) * batch.tensors["response_mask"]).sum(-1)
-            adv = batch.tensors["advantages"]
+            after = tr.workers.old_logprobs(batch.samples)
+            moved = ((after - before) * batch.samples["response_mask"]).sum(-1)
+            adv = batch.samples["advantages"]
             adv = adv[:, 0] if adv.dim() > 1 else adv
             corr = torch.corrcoef(torch.stack([adv, moved]))[0, 1].item()
             assert corr > 0.2, corr

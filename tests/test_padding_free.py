@@ -41,17 +41,17 @@ def _trainer(tmp_path, name, plan, **kw):
 def _one_step(tr):
     """(the batch's estimates, the update's metrics, the actor's log-probs after it, the batch)."""
     batch = tr.estimate(tr.generate())
-    est = {k: batch.tensors[k].clone() for k in ("ref_logprobs", "values", "old_logprobs")}
+    est = {k: batch.samples[k].clone() for k in ("ref_logprobs", "values", "old_logprobs")}
     row = tr.update(batch)
-    after = tr.workers.old_logprobs(batch.tensors)
+    after = tr.workers.old_logprobs(batch.samples)
     return est, row, after, batch
 
 
 def _compare(padded, packed):
     (est_a, row_a, after_a, batch_a), (est_b, row_b, after_b, batch_b) = padded, packed
-    assert torch.equal(batch_a.gen["input_ids"], batch_b.gen["input_ids"])  # the same samples
-    mask = batch_a.tensors["response_mask"].bool()
-    lengths = batch_a.gen["attention_mask"].sum(-1)
+    assert torch.equal(batch_a.samples["input_ids"], batch_b.samples["input_ids"])  # the same samples
+    mask = batch_a.samples["response_mask"].bool()
+    lengths = batch_a.samples["attention_mask"].sum(-1)
     assert lengths.max() >= 2 * lengths.min(), lengths  # ragged enough for packing to matter
     for key, tol in (("ref_logprobs", 2e-6), ("old_logprobs", 2e-6), ("values", 1e-5)):
         gap = (est_a[key] - est_b[key])[mask].abs().max().item()
@@ -72,7 +72,7 @@ def test_packed_step_equals_padded_step_in_process(tmp_path):
             if name == "packed":  # the budget really cut the step into several packed micro-batches
                 from rlkit.parallel.packing import pack
 
-                gen = results[-1][3].gen
+                gen = results[-1][3].samples
                 packs = pack(gen["input_ids"], gen["attention_mask"], token_budget=64, n_micro=1)
                 assert len(packs) >= 3 and max(int(pk.segments.max()) for pk in packs) >= 2
         finally:
@@ -91,7 +91,8 @@ def test_dp2_balanced_packed_step_equals_one_rank_padded(tmp_path):
     try:
         batch = one.estimate(one.generate())
         settings = one.update_settings()
-        tensors = {k: v.clone() for k, v in batch.tensors.items()}
+        sent = batch.samples.tensors_only()
+        tensors = sent.replace(**{k: v.clone() for k, v in sent.items() if torch.is_tensor(v)})
         est_a = {k: tensors[k] for k in ("ref_logprobs", "values", "old_logprobs")}
         row_a = one.update(batch)
         after_a = one.workers.old_logprobs(tensors)
@@ -107,7 +108,7 @@ def test_dp2_balanced_packed_step_equals_one_rank_padded(tmp_path):
     finally:
         two.close()
     _compare((est_a, row_a, after_a, batch), (est_b, row_b, after_b, batch))
-    lengths = batch.gen["attention_mask"].sum(-1).tolist()
+    lengths = batch.samples["attention_mask"].sum(-1).tolist()
     assert balanced_order(lengths, dp=2) != list(range(len(lengths)))  # the deal really moved samples
 
 

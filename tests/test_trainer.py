@@ -110,9 +110,9 @@ def test_dp1_and_dp2_give_the_same_update_on_the_same_batch(tmp_path):
     one = _trainer(tmp_path, rlkit.ParallelPlan(dp=1), steps_dir="a")
     try:
         gen = one.workers.generate(one._next_prompts(), seed=7, policy_version=0)
-        scores = one.rewards.score(gen["columns"], gen["completion"])
-        batch = {k: gen[k] for k in ("input_ids", "attention_mask", "response_mask")}
-        one._advantages(batch, scores, gen, None)
+        scores = one.rewards.score(gen.columns, gen.completion)
+        one._advantages(gen, scores, gen.response_mask, None)
+        batch = gen.tensors_only()
         cfg = one.update_settings()
         loss1 = one.group.call_dp("update_actor", batch, cfg)
         after1 = one.group.call_dp("actor_logprobs", batch)["logprobs"]
@@ -142,8 +142,8 @@ def test_bf16_mixed_update_tracks_fp32_on_the_same_batch(tmp_path):
         try:
             if batch is None:
                 gen = tr.workers.generate(tr._next_prompts(), seed=7, policy_version=0)
-                batch = {k: gen[k] for k in ("input_ids", "attention_mask", "response_mask")}
-                tr._advantages(batch, tr.rewards.score(gen["columns"], gen["completion"]), gen, None)
+                tr._advantages(gen, tr.rewards.score(gen.columns, gen.completion), gen.response_mask, None)
+                batch = gen.tensors_only()
                 cfg = tr.update_settings()
             before = tr.group.call_dp("actor_logprobs", batch)["logprobs"]
             stats = tr.group.call_dp("update_actor", batch, cfg)

@@ -95,11 +95,11 @@ class Spy:
         self.tr, self.orig, self.records = tr, tr._advantages, []
         tr._advantages = self
 
-    def __call__(self, batch, scores, gen, sampling_logprobs):
-        uids = gen["uid"]
+    def __call__(self, batch, scores, mask, sampling_logprobs):
+        uids = batch.uid
         rec = {"step": self.tr.step + 1, "weights": self.tr.group.call("full_weights")[0],
                "coef_before": self.tr.kl_ctl.value}
-        kl = self.orig(batch, scores, gen, sampling_logprobs)
+        kl = self.orig(batch, scores, mask, sampling_logprobs)
         rec.update(batch={k: v.clone() for k, v in batch.items() if torch.is_tensor(v)}, scores=scores.clone(),
                    uids=list(uids), kl=kl, coef_after=self.tr.kl_ctl.value)
         self.records.append(rec)

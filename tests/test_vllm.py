@@ -253,9 +253,9 @@ def test_lora_adapters_reach_the_vllm_engine(tmp_path):
         for _ in range(2):
             tr.update(tr.estimate(tr.generate()))
         batch = tr.estimate(tr.generate())
-        actor = tr.workers.old_logprobs(batch.tensors)
-        mask = batch.tensors["response_mask"].bool()
-        diff = (actor - batch.gen["rollout_logprobs"])[mask].abs().max().item()
+        actor = tr.workers.old_logprobs(batch.samples)
+        mask = batch.samples["response_mask"].bool()
+        diff = (actor - batch.samples["rollout_logprobs"])[mask].abs().max().item()
         print(f"vLLM + LoRA rollout vs actor recompute after 2 updates: max |dlogp| = {diff:.2e}")
         assert diff < TOL, diff
         adapters = tr.workers.adapter_weights()
@@ -304,7 +304,7 @@ def test_multi_turn_episodes_on_vllm(tmp_path):
     try:
         rows_out = tr.fit(steps=2, view="none")
         assert rows_out["episode/turns"].tolist() == [2.25, 2.25] and rows_out["actor/loss"].notna().all()
-        gen = tr.generate().gen
+        gen = tr.generate().samples
         actor = tr.workers.old_logprobs({k: gen[k] for k in ("input_ids", "attention_mask", "response_mask")})
         assert max_masked_diff(actor, gen["rollout_logprobs"], gen["loss_mask"]) < TOL
     finally:

@@ -11,10 +11,10 @@ import pytest
 import torch
 from conftest import settled_cpu_free, wait_cpu_free
 
+from rlkit.batch import cat, pad, rows, split, truncate
 from rlkit.errors import PlanError, WorkerError
 from rlkit.plan.topology import ParallelPlan
-from rlkit.workers import WorkerGroup, WorkerTimeoutError, batch_size, concat_batches, pad_batch, split_batch
-from rlkit.workers.batch import truncate_batch
+from rlkit.workers import WorkerGroup, WorkerTimeoutError
 
 pytestmark = pytest.mark.ray
 
@@ -64,7 +64,7 @@ class DPWorker:
 
     def echo(self, batch, scale=1):
         return {"y": batch["x"] * scale, "text": [t.upper() for t in batch["text"]],
-                "rank": [self.rank] * batch_size(batch), "meta": "m"}
+                "rank": [self.rank] * rows(batch), "meta": "m"}
 
     def fail_on(self, rank: int):
         if self.rank == rank:
@@ -173,16 +173,16 @@ def test_call_timeout_names_ranks(dp_group):
 
 def test_batch_helpers():
     b = {"a": torch.arange(10).view(5, 2), "s": list("vwxyz"), "m": {"n": [1, 2, 3, 4, 5]}, "k": 3}
-    padded, n = pad_batch(b, 4)
-    assert n == 5 and batch_size(padded) == 8 and padded["s"][-3:] == ["z", "z", "z"]
-    parts = split_batch(padded, 4)
-    assert [batch_size(p) for p in parts] == [2, 2, 2, 2] and parts[3]["k"] == 3
-    back = truncate_batch(concat_batches(parts), n)
+    padded, n = pad(b, 4)
+    assert n == 5 and rows(padded) == 8 and padded["s"][-3:] == ["z", "z", "z"]
+    parts = split(padded, 4)
+    assert [rows(p) for p in parts] == [2, 2, 2, 2] and parts[3]["k"] == 3
+    back = truncate(cat(parts), n)
     assert torch.equal(back["a"], b["a"]) and back["s"] == b["s"] and back["m"]["n"] == [1, 2, 3, 4, 5]
     with pytest.raises(ValueError, match="different lengths"):
-        batch_size({"a": [1, 2], "b": [1]})
-    with pytest.raises(ValueError, match="pad_batch"):
-        split_batch({"a": [1, 2, 3]}, 2)
+        rows({"a": [1, 2], "b": [1]})
+    with pytest.raises(ValueError, match="pad"):
+        split({"a": [1, 2, 3]}, 2)
 
 
 def test_last_pipeline_stage_results_and_bad_args(ray_cluster):

@@ -3,7 +3,8 @@ DeepSpeed (``rlkit.backends``) all use, so that each computes the same step from
 
 * the loss and weight functions a step takes (``LossFn``, ``WeightFn``) and the training ``PRECISIONS``;
 * ``load_hf``: the HF model every backend starts from;
-* the batch cut: ``dp_slice`` (a DP rank's part), ``micro_batches``, ``split_rows``, ``take_rows``, ``batch_rows``;
+* the batch cut, with the checks and errors of a plan: ``dp_slice`` (a DP rank's part), ``micro_batches``,
+  ``split_rows``, ``take_rows``, ``batch_rows``, on ``rlkit.batch``'s row operations (a ``Batch`` or a dict);
 * the step's arithmetic: ``loss_scales`` (micro-batch weights over DP), ``clip_grads``;
 * ``rng_state`` / ``restore_rng_state`` for an exact resume;
 * ``TrainingModel``: the interface each backend's model offers the workers (``missing_members`` names any gap).
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from rlkit.batch import split, take
 from rlkit.errors import PlanError
 
 LossFn = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]
@@ -72,8 +74,8 @@ def clip_grads(params: Iterable[torch.Tensor], norm: float, max_norm: float | No
 
 
 def dp_slice(batch: dict[str, Any], dp_rank: int, dp_size: int) -> dict[str, Any]:
-    """DP rank ``dp_rank``'s slice of a global batch (tensors split along dim 0; other values kept): every
-    backend's ``shard_batch``.
+    """DP rank ``dp_rank``'s slice of a global batch (its rows cut along dim 0; meta kept): every backend's
+    ``shard_batch``.
 
     >>> dp_slice({"input_ids": torch.arange(4)[:, None], "n": 1}, 1, 2)["input_ids"].tolist()
     [[2], [3]]
@@ -81,8 +83,7 @@ def dp_slice(batch: dict[str, Any], dp_rank: int, dp_size: int) -> dict[str, Any
     n = batch_rows(batch)
     if n % dp_size:
         raise PlanError(f"global batch of {n} sequences is not divisible by dp={dp_size}; use a multiple of {dp_size}")
-    k = n // dp_size
-    return {key: v[dp_rank * k:(dp_rank + 1) * k] if torch.is_tensor(v) else v for key, v in batch.items()}
+    return split(batch, dp_size)[dp_rank]
 
 
 def micro_batches(batch: dict[str, Any], m: int) -> list[dict[str, Any]]:
@@ -96,7 +97,7 @@ def micro_batches(batch: dict[str, Any], m: int) -> list[dict[str, Any]]:
     if n % m:
         raise PlanError(f"this rank's batch of {n} sequences does not split into micro_batches={m}; "
                         f"use a per-DP-rank batch that is a multiple of {m} (global: dp*{m}*k)")
-    return list(split_rows(batch, m))
+    return split(batch, m)
 
 
 def rng_state() -> dict[str, Any]:
@@ -113,17 +114,14 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda_rng"])
 
 
-def split_rows(batch: dict[str, Any], m: int) -> Iterator[dict[str, Any]]:
-    """``batch`` in ``m`` consecutive equal parts (tensors cut along dim 0, other values kept); ``m`` divides it."""
-    n = batch_rows(batch) // m
-    for j in range(m):
-        yield {k: v[j * n:(j + 1) * n] if torch.is_tensor(v) else v for k, v in batch.items()}
+def split_rows(batch: dict[str, Any], m: int) -> list[dict[str, Any]]:
+    """``batch`` in ``m`` consecutive equal parts (``rlkit.batch.split``); ``m`` divides it."""
+    return split(batch, m)
 
 
 def take_rows(batch: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
-    """The samples ``rows`` of a batch (tensors indexed along dim 0; other values kept)."""
-    rows = rows.to(batch["input_ids"].device)
-    return {k: v[rows] if torch.is_tensor(v) else v for k, v in batch.items()}
+    """The samples ``rows`` of a batch (``rlkit.batch.take``, on the batch's device)."""
+    return take(batch, rows)
 
 
 def batch_rows(batch: dict[str, Any]) -> int:

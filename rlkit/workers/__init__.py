@@ -1,16 +1,14 @@
 """Worker groups (Ray, or this process for one rank) and the RL roles on them.
 
 ``base`` (the dispatch protocol), ``group`` (Ray: one actor per rank), ``local`` (one rank in this
-process), ``batch`` (split / pad / join by rows), ``layout`` (where a sample's tokens sit), ``rl`` (the
+process), ``layout`` (where a sample's tokens sit), ``rl`` (the
 per-rank roles), ``hybrid`` (the 3D-HybridEngine's rollout), ``placement`` (roles to pools) and
 ``rl_workers`` (the controller's typed calls).
 """
 
 from rlkit.workers.base import BaseWorkerGroup
-from rlkit.workers.batch import batch_size, concat_batches, pad_batch, split_batch, truncate_batch
 from rlkit.workers.group import GroupFuture, WorkerGroup, WorkerTimeoutError
 from rlkit.workers.layout import SequenceLayout
 from rlkit.workers.placement import Placement
 
-__all__ = ["BaseWorkerGroup", "GroupFuture", "Placement", "SequenceLayout", "WorkerGroup", "WorkerTimeoutError",
-           "batch_size", "concat_batches", "pad_batch", "split_batch", "truncate_batch"]
+__all__ = ["BaseWorkerGroup", "GroupFuture", "Placement", "SequenceLayout", "WorkerGroup", "WorkerTimeoutError"]

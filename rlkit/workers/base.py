@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from rlkit.batch import cat, is_batch_like, rows, truncate
 from rlkit.errors import WorkerError
-from rlkit.workers.batch import batch_size, concat_batches, is_batch_like, truncate_batch
 
 
 def method_name(method: str | Callable[..., Any]) -> str:
@@ -61,8 +61,8 @@ def join_dp_results(parts: list, padded_size: int, n: int) -> Any:
     ([1, 2, 3], [0.5, 0.7])
     """
     per_dp = padded_size // len(parts)
-    if all(is_batch_like(p) and batch_size(p) == per_dp for p in parts):
-        return truncate_batch(concat_batches(parts), n)
+    if all(is_batch_like(p) and rows(p) == per_dp for p in parts):
+        return truncate(cat(parts), n)
     return parts
 
 

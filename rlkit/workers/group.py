@@ -20,9 +20,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
+from rlkit.batch import pad, rows, split
 from rlkit.errors import PlanError, WorkerError
 from rlkit.workers.base import BaseWorkerGroup, bound_method, join_dp_results, method_name
-from rlkit.workers.batch import batch_size, pad_batch, split_batch
 
 if TYPE_CHECKING:
     from rlkit.cluster import Cluster
@@ -340,8 +340,8 @@ class WorkerGroup(BaseWorkerGroup):
         self._check_usable()
         name = method_name(method)
         plan = self.plan
-        padded, n = pad_batch(batch, plan.dp)
-        chunks = split_batch(padded, plan.dp)
+        padded, n = pad(batch, plan.dp)
+        chunks = split(padded, plan.dp)
         if plan.tp * plan.pp > 1:  # one copy per DP group in the object store, shared by its ranks
             chunks = [ray.put(c) for c in chunks]
         # else each chunk has one reader: passed as the argument (Ray stores a large one itself), which
@@ -350,7 +350,7 @@ class WorkerGroup(BaseWorkerGroup):
                 for r, a in enumerate(self.actors)]
         collect = [plan.rank(dp=d, tp=0, pp=plan.pp - 1) for d in range(plan.dp)]
 
-        total = batch_size(padded)
+        total = rows(padded)
         return GroupFuture(self, name, refs, list(range(self.world_size)),
                            lambda values: join_dp_results([values[r] for r in collect], total, n))
 

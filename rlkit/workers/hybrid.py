@@ -28,12 +28,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from rlkit.batch import Batch
 from rlkit.parallel import ParallelModel
 from rlkit.parallel.apply import apply_tp
 from rlkit.parallel.groups import GenerationGroups
 from rlkit.parallel.relayout import Resharder
 from rlkit.rollout import Rollout, engine_name, make_engine
-from rlkit.workers.batch import concat_batches
 from rlkit.workers.layout import SequenceLayout, generate_batch
 
 
@@ -86,18 +86,18 @@ class HybridRollout:
                 "param_bytes": stats["param_bytes"], "peak_param_bytes": stats["peak_param_bytes"]}
 
     @torch.no_grad()
-    def generate(self, batch: dict[str, Any], seed: int, layout: SequenceLayout, agent: Any = None,
-                 **overrides: Any) -> dict[str, Any] | None:
-        """Generate this group's slice of ``batch`` (the replica's prompts) with the weights ``reshard``
+    def generate(self, prompts: dict[str, Any], seed: int, layout: SequenceLayout, agent: Any = None,
+                 **overrides: Any) -> Batch | None:
+        """Generate this group's slice of ``prompts`` (the replica's request) with the weights ``reshard``
         put in place (called without one, it reshards first), release them, gather the replica's
         samples on its collector rank (None elsewhere)."""
         if not self.held:
             self.reshard()
         try:
-            sl = self.gen_layout.prompt_slices(len(batch["prompt"]))[self.group_index]
+            sl = self.gen_layout.prompt_slices(len(prompts["prompt"]))[self.group_index]
             part = None
             if sl.stop > sl.start:
-                sub = {k: list(batch[k])[sl] for k in ("prompt", "uid", "row", "env_row") if k in batch}
+                sub = {k: list(prompts[k])[sl] for k in ("prompt", "uid", "row", "env_row") if k in prompts}
                 self.prompts_generated += sl.stop - sl.start
                 # the replica's seed, and each prompt's place in the replica's chunk: the samples are the
                 # ones a single engine for the whole chunk would draw
@@ -111,9 +111,7 @@ class HybridRollout:
         if self.rank != self.collector:
             return None
         parts = [p for _, p in sorted(x for x in box if x is not None) if p is not None]
-        out = concat_batches(parts)
-        out["timing"] = max(p["timing"] for p in parts)
-        return out
+        return Batch.cat(parts).replace(timing=max(p.timing for p in parts))
 
     def release(self) -> None:
         """Drop the generation shard and give the actor its training storage back (a no-op if not held)."""

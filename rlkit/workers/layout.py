@@ -11,16 +11,16 @@ layout is fixed for a whole run (pipeline schedules are built once per shape)::
   read at the same column of a model's per-token output (column ``t`` scores token ``t`` given ``< t``),
   so only columns ``>= P`` are scored;
 * the value of the state before response token ``j`` is the critic's output at column ``P + j - 1``;
-* the tokens that carry loss (policy loss, KL, entropy) are ``batch["loss_mask"]`` when a batch has one
-  (a multi-turn trajectory masks its tool outputs), else ``batch["response_mask"]``;
+* the tokens that carry loss (policy loss, KL, entropy) are ``batch.loss_mask`` when a batch has one
+  (a multi-turn trajectory masks its tool outputs), else ``batch.response_mask`` (``Batch.loss_tokens``);
 * each DP rank samples with its own seed, ``seed + 7919 * dp_rank``: any placement (colocated, split,
   the generation layout) draws the same samples for the same chunk;
 * each sample may carry ``policy_version``, the number of updates behind the weights that sampled it.
 
-The keys of a batch (one row per sample): ``input_ids``, ``attention_mask`` (P + R wide),
-``response_mask``, ``rollout_logprobs`` (R wide), optionally ``loss_mask`` (R wide) and
-``policy_version``; lists ``uid`` (the prompt's index in the step), ``row`` (its dataset row),
-``completion``, ``finish_reason``; meta ``timing``.
+The engines' samples come out as an ``rlkit.batch.Batch`` (``pack``): ``input_ids``, ``attention_mask``
+(P + R wide), ``response_mask``, ``rollout_logprobs`` (R wide), for multi-turn ``loss_mask`` (R wide) and
+``episode``; lists ``uid`` (the prompt's index in the step), ``row`` (its dataset row), ``completion``,
+``finish_reason``; meta ``timing``.
 
 >>> import torch
 >>> layout = SequenceLayout(prompt_len=3, response_len=2)
@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from rlkit.batch import Batch
 
 # DP ranks' seed stride: a prime, so ranks' streams never coincide for small seeds
 SEED_STRIDE = 7919
@@ -73,8 +75,9 @@ class SequenceLayout:
         return per_token[:, self.prompt_len - 1:self.prompt_len + self.response_len - 1]
 
     @staticmethod
-    def loss_mask(batch: dict[str, Any]) -> torch.Tensor:
-        """The response tokens that carry loss (policy loss, KL, entropy, value loss, advantages)."""
+    def loss_mask(batch: Batch | dict[str, Any]) -> torch.Tensor:
+        """The response tokens that carry loss (policy loss, KL, entropy, value loss, advantages): the
+        ``loss_mask`` of a batch that has one, else its ``response_mask``."""
         mask = batch.get("loss_mask")
         return batch["response_mask"] if mask is None else mask
 
@@ -83,18 +86,7 @@ class SequenceLayout:
         """The sampling seed of DP rank ``dp_rank``'s chunk of a call seeded ``seed``."""
         return seed + SEED_STRIDE * dp_rank
 
-    @staticmethod
-    def stamp_version(batch: dict[str, Any], version: int) -> dict[str, Any]:
-        """Tag every sample of ``batch`` with the policy version that generated it (in place).
-
-        >>> b = SequenceLayout.stamp_version({"input_ids": torch.zeros(3, 4)}, version=7)
-        >>> b["policy_version"].tolist()
-        [7, 7, 7]
-        """
-        batch["policy_version"] = torch.full((batch["input_ids"].shape[0],), int(version), dtype=torch.long)
-        return batch
-
-    def pack(self, out: Any, prompts: dict[str, Any], pad_token_id: int) -> dict[str, Any]:
+    def pack(self, out: Any, prompts: dict[str, Any], pad_token_id: int) -> Batch:
         """Lay an engine's ``RolloutBatch`` out as this layout's batch, with each sample's ``uid`` and
         ``row`` from ``prompts`` (the request it answers).
 
@@ -103,7 +95,7 @@ class SequenceLayout:
         >>> engine = HFEngine(tiny_lm("qwen2", size="test"), n=2, max_new_tokens=4, ignore_eos=True)
         >>> req = {"prompt": ["ab", "12+7="], "uid": [0, 1], "row": [5, 9]}
         >>> b = SequenceLayout(8, 4).pack(engine.generate(req["prompt"], seed=0), req, engine.pad_token_id)
-        >>> tuple(b["input_ids"].shape), b["uid"], b["row"], b["response_mask"].sum().item()
+        >>> tuple(b.input_ids.shape), b.uid, b.row, b.response_mask.sum().item()
         ((4, 12), [0, 0, 1, 1], [5, 5, 9, 9], 16.0)
         """
         P, R = self.prompt_len, self.response_len
@@ -122,20 +114,20 @@ class SequenceLayout:
         lp = torch.zeros(n, R)
         lp[:, :r] = out.response_logprobs
         rows = out.prompt_index.tolist()
-        batch = {"input_ids": ids, "attention_mask": attn, "response_mask": resp_mask, "rollout_logprobs": lp,
-                 "uid": [prompts["uid"][i] for i in rows], "row": [prompts["row"][i] for i in rows],
-                 "completion": list(out.texts), "finish_reason": list(out.finish_reason),
-                 "timing": out.timings.get("generate", 0.0)}
+        batch = Batch(input_ids=ids, attention_mask=attn, response_mask=resp_mask, rollout_logprobs=lp,
+                      uid=[prompts["uid"][i] for i in rows], row=[prompts["row"][i] for i in rows],
+                      completion=list(out.texts), finish_reason=list(out.finish_reason),
+                      timing=out.timings.get("generate", 0.0))
         if out.loss_mask is not None:  # multi-turn: only the sampled tokens carry loss; the completion is a chat
-            batch["loss_mask"] = torch.zeros(n, R)
-            batch["loss_mask"][:, :r] = out.loss_mask.float()
-            batch["completion"], batch["episode"] = list(out.messages), list(out.episodes)
-            batch["timing_tools"] = out.timings.get("tools", 0.0)
+            batch.loss_mask = torch.zeros(n, R)
+            batch.loss_mask[:, :r] = out.loss_mask.float()
+            batch.completion, batch.episode = list(out.messages), list(out.episodes)
+            batch.timing_tools = out.timings.get("tools", 0.0)
         return batch
 
 
 def generate_batch(engine: Any, layout: SequenceLayout, prompts: dict[str, Any], seed: int, *,
-                   first_index: int = 0, agent: Any = None, **overrides: Any) -> dict[str, Any]:
+                   first_index: int = 0, agent: Any = None, **overrides: Any) -> Batch:
     """``engine.generate`` for ``prompts["prompt"]`` (seeded per prompt from ``seed``; ``first_index``: where
     these prompts start in the call they are a slice of), packed by ``layout``. With an ``agent``
     (``rlkit.agent.episodes.Agent``): its multi-turn episodes instead, the environment reset from
@@ -145,7 +137,7 @@ def generate_batch(engine: Any, layout: SequenceLayout, prompts: dict[str, Any],
     >>> from rlkit.rollout import HFEngine
     >>> engine = HFEngine(tiny_lm("qwen2", size="test"), n=2, max_new_tokens=4, ignore_eos=True)
     >>> b = generate_batch(engine, SequenceLayout(8, 4), {"prompt": ["ab"], "uid": [0], "row": [3]}, seed=0)
-    >>> b["row"], tuple(b["rollout_logprobs"].shape), tuple(b["gen_window"].shape)
+    >>> b.row, tuple(b.rollout_logprobs.shape), tuple(b.gen_window.shape)
     ([3, 3], (2, 4), (2, 2))
 
     Each sample's ``gen_window`` holds when this call ran on the worker: (start, end), seconds since the epoch
@@ -160,7 +152,7 @@ def generate_batch(engine: Any, layout: SequenceLayout, prompts: dict[str, Any],
     else:
         out = engine.generate(list(prompts["prompt"]), seed=seed, first_index=first_index, **overrides)
     batch = layout.pack(out, prompts, engine.pad_token_id)
-    batch["gen_window"] = torch.tensor([[start, time.time()]], dtype=torch.float64).expand(len(batch["uid"]), 2).clone()
+    batch.gen_window = torch.tensor([[start, time.time()]], dtype=torch.float64).expand(len(batch), 2).clone()
     return batch
 
 

@@ -25,9 +25,9 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
+from rlkit.batch import pad, rows
 from rlkit.errors import PlanError, WorkerError
 from rlkit.workers.base import BaseWorkerGroup, bound_method, join_dp_results, method_name
-from rlkit.workers.batch import batch_size, pad_batch
 
 _PG_USERS: list[Any] = []  # local groups using the process group this module started (destroyed with the last)
 
@@ -139,9 +139,9 @@ class LocalWorkerGroup(BaseWorkerGroup):
     def call_dp_async(self, method: str | Callable, batch: Any, *args: Any, **kwargs: Any) -> _Done:
         """``method(batch, ...)``; the result joined as ``WorkerGroup.call_dp`` joins one DP rank's."""
         name = method_name(method)
-        padded, n = pad_batch(batch, 1)
+        padded, n = pad(batch, 1)
         return self._run(name, lambda: join_dp_results([bound_method(self.obj, name)(padded, *args, **kwargs)],
-                                                       batch_size(padded), n))
+                                                       rows(padded), n))
 
     def apply_async(self, fn: Callable, *args: Any, **kwargs: Any) -> _Done:
         return self._run(getattr(fn, "__name__", "fn"), lambda: [fn(self.obj, *args, **kwargs)])

@@ -33,9 +33,9 @@ from rlkit.algos import call_policy_loss, entropy_bonus, kl_loss, masked_mean, v
 from rlkit.algos.offpolicy import importance_weights
 from rlkit.algos.settings import UpdateSettings
 from rlkit.backends import Backend, make_model
+from rlkit.batch import Batch
 from rlkit.parallel import ParallelModel
 from rlkit.parallel.groups import build_generation_groups, build_groups
-from rlkit.parallel.kit import batch_rows, split_rows
 from rlkit.parallel.lora import scaling
 from rlkit.plan.hybrid import GenerationLayout
 from rlkit.plan.topology import ParallelPlan
@@ -130,7 +130,7 @@ class RLWorker:
         # the rank's memory rides along: the trainer's memory metrics need no call of their own
         return SyncReport(bytes=float(moved), seconds=time.perf_counter() - t0, rss_gb=_rss_gb())
 
-    def generate(self, prompts: dict[str, Any], seed: int, **overrides: Any) -> dict[str, Any] | None:
+    def generate(self, prompts: dict[str, Any], seed: int, **overrides: Any) -> Batch | None:
         """n samples per prompt of this DP group's ``prompts`` (``{"prompt", "uid", "row"}`` lists), as a
         batch of the run's ``SequenceLayout``; None off the engine rank (in the generation layout: off the
         replica's collector rank, though every rank generates)."""
@@ -142,28 +142,31 @@ class RLWorker:
         return generate_batch(self.engine, self.layout, prompts, seed, agent=self.agent, **overrides)
 
     # ---- forward passes ------------------------------------------------------------------------
-    def actor_logprobs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def actor_logprobs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """The actor's ``logprobs`` and ``entropy`` of the response tokens (pi_old, before an update)."""
         self._training_layout()
-        out = self.actor.logprobs(batch["input_ids"], batch["attention_mask"])
+        batch = Batch.of(batch)
+        out = self.actor.logprobs(batch.input_ids, batch.attention_mask)
         return {"logprobs": self.layout.response(out["logprobs"]), "entropy": self.layout.response(out["entropy"])}
 
-    def ref_logprobs(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def ref_logprobs(self, batch: Batch) -> dict[str, torch.Tensor]:
         """The reference model's ``ref_logprobs`` of the response tokens (with LoRA: the actor, adapters off)."""
+        batch = Batch.of(batch)
         if self.ref is None and self.actor.lora is not None:
             self._training_layout()
             with self.actor.adapters_disabled():
-                out = self.actor.logprobs(batch["input_ids"], batch["attention_mask"])
+                out = self.actor.logprobs(batch.input_ids, batch.attention_mask)
         else:
-            out = self.ref.logprobs(batch["input_ids"], batch["attention_mask"])
+            out = self.ref.logprobs(batch.input_ids, batch.attention_mask)
         return {"ref_logprobs": self.layout.response(out["logprobs"])}
 
-    def values(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def values(self, batch: Batch) -> dict[str, torch.Tensor]:
         """The critic's ``values`` of the states before each response token."""
-        return {"values": self.layout.values(self.critic.values(batch["input_ids"], batch["attention_mask"])["values"])}
+        batch = Batch.of(batch)
+        return {"values": self.layout.values(self.critic.values(batch.input_ids, batch.attention_mask)["values"])}
 
     # ---- updates -------------------------------------------------------------------------------
-    def update_actor(self, batch: dict[str, Any], settings: UpdateSettings) -> dict[str, float]:
+    def update_actor(self, batch: Batch, settings: UpdateSettings) -> dict[str, float]:
         """``settings.epochs`` x ``settings.minibatches`` policy-gradient steps on this DP rank's chunk."""
         self._training_layout()
         for g in self.actor.optimizer.param_groups:
@@ -177,9 +180,9 @@ class RLWorker:
             stats.append({**m, WEIGHT: loss_weight(mb, settings.loss_agg)})
             return loss
 
-        return _epochs(self.actor, batch, settings, loss_fn, stats, "actor", settings.loss_agg)
+        return _epochs(self.actor, Batch.of(batch), settings, loss_fn, stats, "actor", settings.loss_agg)
 
-    def update_critic(self, batch: dict[str, Any], settings: UpdateSettings) -> dict[str, float]:
+    def update_critic(self, batch: Batch, settings: UpdateSettings) -> dict[str, float]:
         """The critic's clipped value regression on this DP rank's chunk (its own learning rate)."""
         stats: list[dict[str, float]] = []
 
@@ -189,7 +192,7 @@ class RLWorker:
             stats.append({**m, WEIGHT: loss_weight(mb, "token-mean")})
             return loss
 
-        return _epochs(self.critic, batch, settings, loss_fn, stats, "critic", "token-mean")
+        return _epochs(self.critic, Batch.of(batch), settings, loss_fn, stats, "critic", "token-mean")
 
     # ---- weights out ---------------------------------------------------------------------------
     def host_weight_channel(self, receivers: int, timeout_s: float) -> tuple[str, int] | None:
@@ -282,7 +285,7 @@ class RolloutWorker:
         self.dp_rank = int(os.environ.get("RANK", "0"))
         self.engine = make_engine(rollout, model_path)
 
-    def generate(self, prompts: dict[str, Any], seed: int, **overrides: Any) -> dict[str, Any]:
+    def generate(self, prompts: dict[str, Any], seed: int, **overrides: Any) -> Batch:
         # the layout's seed per DP chunk, as a colocated engine: both placements sample the same responses
         return generate_batch(self.engine, self.layout, prompts, self.layout.rank_seed(seed, self.dp_rank),
                               agent=self.agent, **overrides)
@@ -396,7 +399,7 @@ def loss_weight(mb: dict[str, Any], agg: str) -> float:
     return float(mask.sum() if agg == "token-mean" else mask.any(-1).sum())
 
 
-def _epochs(model: ParallelModel, batch: dict[str, Any], settings: UpdateSettings, loss_fn: Any,
+def _epochs(model: ParallelModel, batch: Batch, settings: UpdateSettings, loss_fn: Any,
             stats: list[dict[str, float]], role: str, agg: str) -> dict[str, float]:
     """``settings.epochs`` passes over the batch, ``settings.minibatches`` optimizer steps each; each step's
     objective is the loss over its whole minibatch (every DP rank's part), however it is micro-batched."""
@@ -405,12 +408,11 @@ def _epochs(model: ParallelModel, batch: dict[str, Any], settings: UpdateSetting
     return _summarize(results, stats, role)
 
 
-def _minibatches(batch: dict[str, Any], k: int) -> list[dict[str, Any]]:
-    """This DP rank's batch in ``k`` PPO minibatches (``rlkit.parallel.kit.split_rows``)."""
-    n = batch_rows(batch)
-    if n % k:
-        raise ValueError(f"this DP rank's {n} samples do not split into minibatches={k}")
-    return list(split_rows(batch, k))
+def _minibatches(batch: Batch, k: int) -> list[Batch]:
+    """This DP rank's batch in ``k`` PPO minibatches."""
+    if len(batch) % k:
+        raise ValueError(f"this DP rank's {len(batch)} samples do not split into minibatches={k}")
+    return batch.split(k)
 
 
 def _summarize(results: list[dict[str, float]], stats: list[dict[str, float]], role: str) -> dict[str, float]:

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
+from rlkit.batch import Batch, take
 from rlkit.errors import WorkerError
 from rlkit.parallel.packing import balanced_order
 from rlkit.workers.base import BaseWorkerGroup
-from rlkit.workers.batch import batch_size, concat_batches, take_rows
 from rlkit.workers.layout import SequenceLayout
 from rlkit.workers.placement import Placement
 from rlkit.workers.rl import WEIGHT, RLWorker, RolloutWorker, SyncReport, UpdateSettings, is_maximum
@@ -134,7 +134,7 @@ class RLWorkers:
         return reports[:n] + [SyncReport({**r, "seconds": seconds}) for r in reports[n:]]
 
     def generate(self, prompts: list[dict[str, Any]], seed: int, policy_version: int,
-                 **overrides: Any) -> dict[str, Any]:
+                 **overrides: Any) -> Batch:
         """``Rollout.n`` samples of each prompt row (``{"prompt", "_row", ...}``), one batch of the run's
         ``SequenceLayout`` in prompt order, each sample tagged with ``policy_version``; the rows'
         other columns under ``"columns"`` (what reward functions get)."""
@@ -191,42 +191,42 @@ class RLWorkers:
         receivers.result(self.timeout_s)
         self._channel_open = True
 
-    def ref_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
+    def ref_logprobs(self, batch: Batch) -> torch.Tensor:
         """The reference model's log-probs of the response tokens."""
         return self._call_dp(RLWorker.ref_logprobs, batch)["ref_logprobs"]
 
-    def values(self, batch: dict[str, Any]) -> torch.Tensor:
+    def values(self, batch: Batch) -> torch.Tensor:
         """The critic's values of the states before each response token."""
         return self._call_dp(RLWorker.values, batch)["values"]
 
-    def old_logprobs(self, batch: dict[str, Any]) -> torch.Tensor:
+    def old_logprobs(self, batch: Batch) -> torch.Tensor:
         """The actor's log-probs of the response tokens before this step's update (pi_old)."""
         return self._call_dp(RLWorker.actor_logprobs, batch)["logprobs"]
 
-    def update_actor(self, batch: dict[str, Any], settings: UpdateSettings) -> dict[str, float]:
+    def update_actor(self, batch: Batch, settings: UpdateSettings) -> dict[str, float]:
         """One update of the actor on ``batch`` (split by DP rank); its metrics averaged over DP ranks."""
         self.group.ship_code(settings.policy_loss)
         return _mean_dicts(self._call_dp(RLWorker.update_actor, batch, settings, minibatches=settings.minibatches))
 
-    def update_critic(self, batch: dict[str, Any], settings: UpdateSettings) -> dict[str, float]:
+    def update_critic(self, batch: Batch, settings: UpdateSettings) -> dict[str, float]:
         """One update of the critic on ``batch``; its metrics averaged over DP ranks."""
         return _mean_dicts(self._call_dp(RLWorker.update_critic, batch, settings, minibatches=settings.minibatches))
 
-    def _call_dp(self, method: Any, batch: dict[str, Any], *args: Any, minibatches: int = 1) -> Any:
+    def _call_dp(self, method: Any, batch: Batch, *args: Any, minibatches: int = 1) -> Any:
         """``group.call_dp`` with the samples dealt to DP ranks by tokens, not rows, when the workers run
         padding-free (``rlkit.parallel.packing.balanced_order``): no rank waits for one with the long
         responses. Per-sample results come back in the batch's own order."""
-        dp = self.placement.plan.dp
-        if not self.balance or dp == 1 or batch_size(batch) % (dp * minibatches):
+        batch, dp = Batch.of(batch), self.placement.plan.dp
+        if not self.balance or dp == 1 or len(batch) % (dp * minibatches):
             return self.group.call_dp(method, batch, *args, timeout=self.timeout_s)
-        order = balanced_order(batch["attention_mask"].sum(-1).tolist(), dp, minibatches)
-        out = self.group.call_dp(method, take_rows(batch, order), *args, timeout=self.timeout_s)
+        order = balanced_order(batch.attention_mask.sum(-1).tolist(), dp, minibatches)
+        out = self.group.call_dp(method, batch.take(order), *args, timeout=self.timeout_s)
         if isinstance(out, list):  # not per-sample (an update's metrics, one dict per DP rank)
             return out
         back = [0] * len(order)
         for position, row in enumerate(order):
             back[row] = position
-        return take_rows(out, back)
+        return take(out, back)
 
     # ---- state -----------------------------------------------------------------------------------
     def save(self, path: str) -> None:
@@ -300,10 +300,10 @@ class PendingBatch:
 
     def __init__(self, workers: RLWorkers, future: Any, prompts: list[dict[str, Any]], policy_version: int):
         self.workers, self.future, self.prompts, self.policy_version = workers, future, prompts, policy_version
-        self._batch: dict[str, Any] | None = None
+        self._batch: Batch | None = None
 
     @classmethod
-    def ready(cls, batch: dict[str, Any], prompts: list[dict[str, Any]], policy_version: int) -> PendingBatch:
+    def ready(cls, batch: Batch, prompts: list[dict[str, Any]], policy_version: int) -> PendingBatch:
         """One already generated (a checkpoint's batch in flight at save)."""
         out = cls(None, None, prompts, policy_version)
         out._batch = batch
@@ -312,13 +312,15 @@ class PendingBatch:
     def done(self) -> bool:
         return self._batch is not None or self.future.done()
 
-    def result(self) -> dict[str, Any]:
+    def result(self) -> Batch:
         if self._batch is None:
             parts = self.future.result(self.workers.timeout_s)
-            batch = concat_batches(parts) if isinstance(parts, list) else parts
+            batch = Batch.cat(parts) if isinstance(parts, list) else parts
             prompts = self.prompts
-            batch["columns"] = {k: [prompts[u][k] for u in batch["uid"]] for k in prompts[0] if k not in ("_row", "_env_row")}
-            self._batch = self.workers.layout.stamp_version(batch, self.policy_version)
+            # each sample's prompt row (what reward functions get), and the policy version that sampled it
+            batch.columns = {k: [prompts[u][k] for u in batch.uid] for k in prompts[0] if k not in ("_row", "_env_row")}
+            batch.policy_version = torch.full((len(batch),), int(self.policy_version), dtype=torch.long)
+            self._batch = batch
         return self._batch
 
 
