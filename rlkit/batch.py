@@ -53,7 +53,7 @@ class Batch:
     Attributes:
         input_ids: ``[B, P + R]`` token ids.
         attention_mask: ``[B, P + R]``, 1 on real tokens.
-        response_mask: ``[B, R]`` float, 1 on the response's tokens.
+        response_mask: ``[B, R]`` float, 1 on the response's tokens (a scoring pass needs only the two above).
         rollout_logprobs: ``[B, R]`` the engine's log-probs of the tokens it sampled.
         loss_mask: ``[B, R]`` the response tokens that carry loss (multi-turn: not the tool outputs); None:
             ``response_mask``.
@@ -72,7 +72,7 @@ class Batch:
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
-    response_mask: torch.Tensor
+    response_mask: torch.Tensor | None = None
     rollout_logprobs: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
     policy_version: torch.Tensor | None = None
@@ -96,9 +96,8 @@ class Batch:
     def of(cls, data: Batch | Mapping[str, Any]) -> Batch:
         """``data`` as a Batch: a Batch as it is, or a dict of its fields (a hand-written dataflow's).
 
-        >>> Batch.of({"input_ids": torch.zeros(2, 3), "attention_mask": torch.ones(2, 3),
-        ...           "response_mask": torch.ones(2, 1)}).fields()
-        ['input_ids', 'attention_mask', 'response_mask']
+        >>> Batch.of({"input_ids": torch.zeros(2, 3), "attention_mask": torch.ones(2, 3)}).fields()
+        ['input_ids', 'attention_mask']
         """
         if isinstance(data, Batch):
             return data
@@ -108,7 +107,7 @@ class Batch:
         if unknown:
             raise ValueError(f"Batch has no field(s) {unknown}; its fields: {[f.name for f in dataclasses.fields(cls)]} "
                              f"(a new kind of data is one line in rlkit/batch.py)")
-        missing = [k for k in ("input_ids", "attention_mask", "response_mask") if k not in data]
+        missing = [k for k in ("input_ids", "attention_mask") if k not in data]
         if missing:
             raise ValueError(f"a Batch needs {missing}; got {sorted(data)}")
         return cls(**data)
