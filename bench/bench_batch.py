@@ -21,6 +21,25 @@ from rlkit.batch import Batch, cat, split, take
 
 B, P, R = 64, 64, 64
 
+try:  # the same fields as a tensordict @tensorclass (at module level: pickle finds it by name)
+    from tensordict import tensorclass
+
+    @tensorclass(nocast=True)
+    class TC:
+        input_ids: torch.Tensor
+        attention_mask: torch.Tensor
+        response_mask: torch.Tensor
+        rollout_logprobs: torch.Tensor
+        policy_version: torch.Tensor
+        ref_logprobs: torch.Tensor
+        old_logprobs: torch.Tensor
+        advantages: torch.Tensor
+        returns: torch.Tensor
+        uid: list
+        completion: list
+except ImportError:
+    TC = None
+
 
 def _fields() -> tuple[dict, dict]:
     g = torch.Generator().manual_seed(0)
@@ -45,25 +64,9 @@ def _time(fn, calls: int = 2000, rounds: int = 5) -> float:
 def main() -> None:
     tensors, lists = _fields()
     cases = {"Batch": Batch(**tensors, **lists), "dict": {**tensors, **lists}}
-    try:
-        from tensordict import NonTensorData, tensorclass  # noqa: F401
-
-        @tensorclass(nocast=True)
-        class TC:
-            input_ids: torch.Tensor
-            attention_mask: torch.Tensor
-            response_mask: torch.Tensor
-            rollout_logprobs: torch.Tensor
-            policy_version: torch.Tensor
-            ref_logprobs: torch.Tensor
-            old_logprobs: torch.Tensor
-            advantages: torch.Tensor
-            returns: torch.Tensor
-            uid: list
-            completion: list
-
+    if TC is not None:
         cases["@tensorclass"] = TC(**tensors, **lists, batch_size=[B])
-    except ImportError:
+    else:
         print("(tensordict is not installed here: its column is left out)")
     index = list(range(0, B, 4))
     ops = {
