@@ -47,6 +47,7 @@ _LAZY = {
     "Rollout": "rlkit.rollout",
     "rewards": "rlkit.rewards",
     "RewardModel": "rlkit.rewards",
+    "Batch": "rlkit.batch",
     "Trainer": "rlkit.trainer",
     "TrainerConfig": "rlkit.trainer",
     "ParallelModel": "rlkit.parallel",
