@@ -69,4 +69,10 @@ def test_notebook_runs_top_to_bottom(name, started):
     cells = json.loads((ROOT / name).read_text())["cells"]
     assert all(not c.get("outputs") for c in cells if c["cell_type"] == "code")  # committed without outputs
     proc = started[name].result(timeout=1800)   # the run itself is bounded at 900 s; this, its wait in line
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, _first_failure(proc.stdout) + proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def _first_failure(out: str) -> str:
+    """nbval's report of the first cell that failed (the later ones often fail only because it did)."""
+    start = out.find("_ ", out.find("= FAILURES ="))
+    return out[start:start + 4000] + "\n[...]\n" if start > 0 else ""
