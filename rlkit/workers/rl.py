@@ -56,6 +56,26 @@ class SyncReport(TypedDict, total=False):
     peak_param_bytes: float
 
 
+class Scored(TypedDict):
+    """A scoring pass's per-sample result, ``[B, R]`` each (``call_dp`` joins the DP ranks' by rows): the
+    ``logprobs`` of the response tokens and the ``entropy`` of their distributions."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+
+
+class RefScored(TypedDict):
+    """The reference model's log-probs of the response tokens, ``[B, R]``."""
+
+    ref_logprobs: torch.Tensor
+
+
+class Valued(TypedDict):
+    """The critic's values of the states before each response token, ``[B, R]``."""
+
+    values: torch.Tensor
+
+
 class RLWorker:
     """Per-rank RL roles. Created by a worker group inside each rank (the process group exists).
 
@@ -142,14 +162,14 @@ class RLWorker:
         return generate_batch(self.engine, self.layout, prompts, seed, agent=self.agent, **overrides)
 
     # ---- forward passes ------------------------------------------------------------------------
-    def actor_logprobs(self, batch: Batch) -> dict[str, torch.Tensor]:
+    def actor_logprobs(self, batch: Batch) -> Scored:
         """The actor's ``logprobs`` and ``entropy`` of the response tokens (pi_old, before an update)."""
         self._training_layout()
         batch = Batch.of(batch)
         out = self.actor.logprobs(batch.input_ids, batch.attention_mask)
-        return {"logprobs": self.layout.response(out["logprobs"]), "entropy": self.layout.response(out["entropy"])}
+        return Scored(logprobs=self.layout.response(out["logprobs"]), entropy=self.layout.response(out["entropy"]))
 
-    def ref_logprobs(self, batch: Batch) -> dict[str, torch.Tensor]:
+    def ref_logprobs(self, batch: Batch) -> RefScored:
         """The reference model's ``ref_logprobs`` of the response tokens (with LoRA: the actor, adapters off)."""
         batch = Batch.of(batch)
         if self.ref is None and self.actor.lora is not None:
@@ -158,12 +178,12 @@ class RLWorker:
                 out = self.actor.logprobs(batch.input_ids, batch.attention_mask)
         else:
             out = self.ref.logprobs(batch.input_ids, batch.attention_mask)
-        return {"ref_logprobs": self.layout.response(out["logprobs"])}
+        return RefScored(ref_logprobs=self.layout.response(out["logprobs"]))
 
-    def values(self, batch: Batch) -> dict[str, torch.Tensor]:
+    def values(self, batch: Batch) -> Valued:
         """The critic's ``values`` of the states before each response token."""
         batch = Batch.of(batch)
-        return {"values": self.layout.values(self.critic.values(batch.input_ids, batch.attention_mask)["values"])}
+        return Valued(values=self.layout.values(self.critic.values(batch.input_ids, batch.attention_mask)["values"]))
 
     # ---- updates -------------------------------------------------------------------------------
     def update_actor(self, batch: Batch, settings: UpdateSettings) -> dict[str, float]:
