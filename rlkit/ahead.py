@@ -90,8 +90,8 @@ class AheadQueue:
         """Entries from ``saved``, after the ones already here, trained next as they were."""
         from rlkit.workers.rl_workers import PendingBatch, SyncInFlight
 
-        for step, batch, prompts, version, sync in saved:
-            self._q.append(InFlight(step, PendingBatch.ready(batch, prompts, version), SyncInFlight(sync)))
+        for step, batch, prompts, version, sync in saved:  # Batch.of: a checkpoint from before rlkit.Batch kept dicts
+            self._q.append(InFlight(step, PendingBatch.ready(Batch.of(batch), prompts, version), SyncInFlight(sync)))
 
 
 __all__ = ["AheadQueue", "InFlight"]
