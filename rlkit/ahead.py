@@ -1,7 +1,7 @@
 """The asynchronous queue: generations sampled ahead of training (``TrainerConfig.off_policy_steps = k > 0``).
 
-Each entry is one step's generation in flight on the rollout workers: the step it is for, the pending batch,
-and the weight sync it was sampled after. ``Trainer.generate`` takes the oldest (``next``) and launches more;
+Each entry is one generation round in flight on the rollout workers (one step's batch, or with dynamic
+sampling a part of one): its round, the pending batch, and the weight sync it was sampled after. ``Trainer.generate`` takes the oldest (``next``) and launches more;
 a Ctrl-C at a safe point puts the untrained batch back first in line (``put_back``); a checkpoint keeps every
 entry (``saved``) and a resumed run trains the same batches (``restore``).
 
@@ -25,7 +25,7 @@ class InFlight:
     """One step's generation, sampled ahead: ``pending.result()`` is its batch, ``sync.result(timeout)`` the
     report of the weight sync it was sampled after."""
 
-    step: int
+    step: int     # the generation round (the step it is trained at, without dynamic sampling)
     pending: Any  # rlkit.workers.rl_workers.PendingBatch
     sync: Any     # rlkit.workers.rl_workers.SyncInFlight
 
@@ -48,27 +48,26 @@ class AheadQueue:
         """A generation just queued on the rollout workers: last in line."""
         self._q.append(InFlight(step, pending, sync))
 
-    def fill(self, workers: Any, step: int, depth: int, prompts_of: Callable[[int], list[dict[str, Any]]],
-             seed_of: Callable[[int], int]) -> InFlight:
-        """Step ``step``'s generation, taken from the queue, after launching the generations of the steps
-        after it until ``depth`` are in flight (``off_policy_steps + 1``). Each is sampled with the actor's
-        weights of now, step ``step``'s, on ``prompts_of(s)`` rows seeded ``seed_of(s)``; when the queue is
-        empty (the first step, or after ``load``) step ``step``'s own is launched first, on-policy."""
-        if not self._q:
-            self._launch(workers, step, step, prompts_of, seed_of)
+    def fill(self, workers: Any, step: int, depth: int,
+             new_round: Callable[[], tuple[int, list[dict[str, Any]], int]]) -> InFlight:
+        """The oldest generation in the queue, taken, after launching new rounds until ``depth`` are in flight
+        (``off_policy_steps + 1``, counting the one taken). Each new round is sampled with the actor's weights
+        of now, step ``step``'s, on the prompts and seed ``new_round()`` gives (the dataset's next rows); when
+        the queue is empty (the first step, or after ``load``) the round taken is launched now, on-policy."""
         while len(self._q) < depth:
-            self._launch(workers, step + len(self._q), step, prompts_of, seed_of)
+            self._launch(workers, step, new_round)
         return self.next()
 
-    def _launch(self, workers: Any, step: int, actor_step: int, prompts_of: Callable, seed_of: Callable) -> None:
-        """Queue step ``step``'s generation on the rollout workers with the weights of actor step
+    def _launch(self, workers: Any, actor_step: int, new_round: Callable) -> None:
+        """Queue the next round's generation on the rollout workers with the weights of actor step
         ``actor_step`` (synced first unless the engines hold them already: the actor's gather runs now, the
         engines load it in turn)."""
         if self.engine_version != actor_step:
             self._last_sync = workers.sync_weights_async()
             self.engine_version = actor_step
-        pending = workers.generate_async(prompts_of(step), seed=seed_of(step), policy_version=actor_step)
-        self.launched(step, pending, self._last_sync)
+        rnd, prompts, seed = new_round()
+        pending = workers.generate_async(prompts, seed=seed, policy_version=actor_step)
+        self.launched(rnd, pending, self._last_sync)
 
     def next(self) -> InFlight:
         """The oldest generation: the one the next step trains on."""

@@ -58,7 +58,8 @@ class Batch:
         rollout_logprobs: ``[B, R]`` the engine's log-probs of the tokens it sampled.
         loss_mask: ``[B, R]`` the response tokens that carry loss (multi-turn: not the tool outputs); None:
             ``response_mask``.
-        policy_version: ``[B]`` the number of updates behind the weights that sampled each sample.
+        policy_version: ``[B]`` the actor step whose weights sampled each sample (streaming: its oldest token's).
+        token_version: ``[B, R]`` streaming (``rlkit.stream``): the actor step whose weights sampled each token.
         gen_window: ``[B, 2]`` float64, when the generating call ran (seconds since the epoch).
         ref_logprobs, old_logprobs, values, advantages, returns: ``[B, R]``, added by ``Trainer.estimate``.
         behaviour_logprobs: ``[B, R]`` the engine's log-probs, for the update's importance weights.
@@ -77,6 +78,7 @@ class Batch:
     rollout_logprobs: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
     policy_version: torch.Tensor | None = None
+    token_version: torch.Tensor | None = None
     gen_window: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None

@@ -57,6 +57,16 @@ class TrainerConfig:
     offpolicy_correction: str | None = None  # "tis" | "mis": weight each token by pi_old / mu (engine) (rlkit.algos.offpolicy)
     offpolicy_cap: float = 2.0           # TIS truncates the weight here, MIS drops tokens above it
     offpolicy_level: str = "token"       # "token" | "sequence" (one weight per sample)
+    streaming: bool = False              # split placement: chunked generation, groups streamed to the trainer (rlkit.stream)
+    max_staleness: int = 1               # streaming: groups whose oldest token is more versions behind are dropped
+    partial_rollouts: bool = True        # streaming: new weights land mid-sample (False: once no sample runs)
+    stream_chunk_tokens: int = 8         # streaming: tokens each running sample takes per generation call
+    stream_groups: int | None = None     # streaming: running + buffered groups at most (None: 2 x prompts_per_step)
+    dynamic_sampling: bool = False       # DAPO: drop groups whose rewards are all equal, generate more (rlkit.dynamic_sampling)
+    max_sampling_rounds: int = 8         # dynamic sampling: generation rounds per step at most (1 = no backfill)
+    overlong_buffer: int = 0             # DAPO's soft overlong penalty over the last tokens before max_new_tokens (0: off)
+    overlong_penalty: float = 1.0        # the penalty at max_new_tokens (it ramps from 0 over the buffer)
+    mask_truncated: bool = False         # responses cut at max_new_tokens carry no loss (TRL's mask_truncated_completions)
     gamma: float = 1.0                   # GAE (ppo)
     lam: float = 1.0
     critic_lr: float = 1e-4
@@ -146,6 +156,28 @@ class TrainerConfig:
         if self.micro_batch_tokens is not None and not self.padding_free:
             raise TrainerError(f"micro_batch_tokens={self.micro_batch_tokens} sizes padding-free micro-batches; "
                                f"set padding_free=True, or micro_batch_tokens=None for the padded layout")
+        boolean("streaming", self.streaming, **err)
+        integer("max_staleness", self.max_staleness, ge=0,
+                hint="how many updates behind the trainer a sample's oldest token may be, e.g. 1 or 2", **err)
+        boolean("partial_rollouts", self.partial_rollouts, **err)
+        integer("stream_chunk_tokens", self.stream_chunk_tokens,
+                hint="tokens per running sample between weight updates, e.g. 8 or 32", **err)
+        integer("stream_groups", self.stream_groups, none_ok=True,
+                hint="running + buffered groups, at least prompts_per_step, e.g. 2 x prompts_per_step", **err)
+        if self.stream_groups is not None and self.stream_groups < self.prompts_per_step:
+            raise TrainerError(f"stream_groups={self.stream_groups} < prompts_per_step={self.prompts_per_step}: a step "
+                               f"takes prompts_per_step finished groups, so at least that many must be in the stream; "
+                               f"e.g. stream_groups={2 * self.prompts_per_step}")
+        if self.streaming and self.off_policy_steps:
+            raise TrainerError(f"streaming=True with off_policy_steps={self.off_policy_steps}: streaming is its own "
+                               f"asynchronous mode (its staleness is bounded by max_staleness); set off_policy_steps=0")
+        boolean("dynamic_sampling", self.dynamic_sampling, **err)
+        integer("max_sampling_rounds", self.max_sampling_rounds,
+                hint="the generation rounds a step may take to fill its batch with groups that differ, e.g. 8", **err)
+        integer("overlong_buffer", self.overlong_buffer, ge=0,
+                hint="tokens before max_new_tokens over which the penalty ramps, e.g. a quarter of it; 0 is off", **err)
+        number("overlong_penalty", self.overlong_penalty, gt=0, hint="DAPO uses 1.0", **err)
+        boolean("mask_truncated", self.mask_truncated, **err)
         number("gamma", self.gamma, ge=0, le=1, hint="1.0 for LLM RL", **err)
         number("lam", self.lam, ge=0, le=1, hint="1.0 for LLM RL, 0.95 in classic PPO", **err)
         number("value_clip", self.value_clip, gt=0, none_ok=True, hint="PPO uses 0.2; None turns it off", **err)

@@ -230,6 +230,14 @@ def check_sizes(config: TrainerConfig, plan: ParallelPlan, rollout: Rollout, alg
     if rollout.n < algorithm.min_samples:
         raise TrainerError(f"{algorithm.name} compares samples of the same prompt: set Rollout(n>="
                            f"{algorithm.min_samples}), got n={rollout.n}")
+    if c.dynamic_sampling and rollout.n < 2:
+        raise TrainerError(f"dynamic_sampling=True filters out prompts whose samples all got the same reward, which "
+                           f"needs several samples per prompt: set Rollout(n>=2) (got n={rollout.n}), or "
+                           f"dynamic_sampling=False")
+    if c.overlong_buffer >= rollout.max_new_tokens:
+        raise TrainerError(f"overlong_buffer={c.overlong_buffer} must be shorter than Rollout.max_new_tokens="
+                           f"{rollout.max_new_tokens}: the penalty ramps over the last overlong_buffer tokens before "
+                           f"it (e.g. overlong_buffer={max(1, rollout.max_new_tokens // 4)})")
 
 
 def padding_free(config: TrainerConfig, plan: ParallelPlan) -> bool:
@@ -281,6 +289,26 @@ def check_off_policy(config: TrainerConfig, placement: Any) -> None:
                            f"trains, on rollout workers of their own: use placement='split'. Colocated workers run "
                            f"both phases on the same processes (and cores or GPU), so there is nothing to overlap "
                            f"there; or off_policy_steps=0")
+
+
+def check_streaming(config: TrainerConfig, placement: Any, agent: Any) -> None:
+    """Streaming runs the rollout on workers of its own, single-turn."""
+    if config.streaming and placement.kind != "split":
+        raise TrainerError("streaming=True generates on rollout workers of their own while the actor trains: use "
+                           "placement='split' (colocated workers run both phases on the same processes), or "
+                           "streaming=False")
+    if config.streaming and agent is not None:
+        raise TrainerError("streaming=True continues single-turn samples chunk by chunk; multi-turn episodes "
+                           "(tools, environment) are not streamed yet: set streaming=False, or off_policy_steps=1 "
+                           "for asynchronous multi-turn RL")
+
+
+def check_overlong(config: TrainerConfig, agent: Any) -> None:
+    """DAPO's overlong shaping reads a response's length against ``max_new_tokens``: single-turn only."""
+    if agent is not None and (config.overlong_buffer or config.mask_truncated):
+        raise TrainerError(f"overlong_buffer={config.overlong_buffer} / mask_truncated={config.mask_truncated} shape "
+                           f"single-turn responses by their length against max_new_tokens; a multi-turn episode is "
+                           f"bounded by MultiTurn's limits instead: set overlong_buffer=0 and mask_truncated=False")
 
 
 def check_token_budget(config: TrainerConfig, layout: Any) -> None:

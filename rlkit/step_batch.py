@@ -51,6 +51,8 @@ class StepBatch:
     estimated: bool = False
     kl_mean: float | None = None
     offpolicy: dict[str, float] = field(default_factory=dict)  # engine vs trainer (rlkit.algos.offpolicy)
+    sampling: dict[str, float] = field(default_factory=dict)  # dynamic sampling, overlong (rlkit.dynamic_sampling)
+    next_round: int | None = None  # the dataset's next round once this batch trains (synchronous: Trainer.rounds)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -115,6 +117,7 @@ class StepBatch:
                "advantages/std": masked_stat(s.advantages, mask, "std"),
                "entropy": actor.get("actor/entropy", math.nan), "actor/lr": settings.lr, **actor, **critic}
         row.update(self.offpolicy)
+        row.update(self.sampling)
         if s.episode is not None:  # multi-turn: turns, tool calls and errors, truncations (rlkit.agent)
             from rlkit.agent.episodes import episode_metrics
 
@@ -160,6 +163,8 @@ class StepBatch:
             "completion": [conversation_text(c) for c in s.completion],
             "reward": self.rewards.tolist(), "tokens": tokens.long().tolist(),
             "finish_reason": list(s.finish_reason or [None] * len(self))})
+        if s.policy_version is not None:  # the policy version (actor step) that sampled it
+            df["version"] = s.policy_version.tolist()
         if self.estimated:
             df["advantage"] = (s.advantages.sum(1) / tokens.clamp(min=1)).tolist()
         if logprobs:

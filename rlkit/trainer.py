@@ -128,8 +128,13 @@ class Trainer(TrainerIO):
         inputs.check_lora(self.config, self.model_path, self.plan)
         self.backend = inputs.check_backend(self.config, self.plan, self.model_path, self.rollout)
         inputs.check_off_policy(self.config, self.placement)
+        inputs.check_overlong(self.config, self.agent)
+        inputs.check_streaming(self.config, self.placement, self.agent)
         inputs.check_generation_layout(self.rollout, self.placement, self.model_path)
         self.step = 0
+        # the dataset's prompt batches (rounds of prompts_per_step rows) taken: by the steps trained, and asynchronous
+        # RL's launched ahead (== step without dynamic sampling and off_policy_steps)
+        self.rounds = 0
         self.history = History()  # metrics rows, recent samples, when each phase ran
         self.kl_ctl = self.config.kl_controller()
         self.run_dir = Path(self.config.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
@@ -137,6 +142,7 @@ class Trainer(TrainerIO):
         self.cluster, self.workers = cluster, None
         self._stop: StopOnInterrupt | None = None  # fit's Ctrl-C handler while it runs
         self._ahead = AheadQueue()  # asynchronous RL: the generations in flight (rlkit.ahead)
+        self._stream = self._new_stream() if self.config.streaming else None  # streaming RL (rlkit.stream)
         self._start_workers()
 
     def _start_workers(self) -> None:
@@ -229,42 +235,177 @@ class Trainer(TrainerIO):
     # ---- one step, in three calls (a notebook can run each in its own cell) ------------------------
     def generate(self, prompts: Sequence[dict[str, Any]] | None = None) -> StepBatch:
         """The rollout half of a step: the actor's weights into the engines, ``Rollout.n`` samples of each
-        prompt (default: the step's ``prompts_per_step`` rows of the dataset), their rewards. Returns a
-        ``StepBatch`` to look at (``batch.table()``), change (``drop``, ``set_rewards``) and train on."""
+        prompt (default: the dataset's next ``prompts_per_step`` rows), their rewards. Returns a
+        ``StepBatch`` to look at (``batch.table()``), change (``drop``, ``set_rewards``) and train on.
+        With ``dynamic_sampling`` (on the dataset's prompts) the groups whose rewards are all equal are
+        filtered out and more rounds generated until the batch is full (``rlkit.dynamic_sampling``)."""
         if self.config.off_policy_steps and prompts is None:
             return self._generate_ahead()
+        if self.config.streaming and prompts is None:
+            return self._generate_stream()
         c, t, w = self.config, {}, self._live_workers()
         t_step = time.perf_counter()
-        rows = self._next_prompts() if prompts is None else [dict(p, _row=p.get("_row", i)) for i, p in enumerate(prompts)]
-        if prompts is not None and self.agent is not None:  # rows of your own: chats (or environment rows) rendered
-            rows = [r if isinstance(r["prompt"], str) and (self.agent.environment is None or "_env_row" in r)
-                    else dict(self._render([r])[0], _row=r["_row"]) for r in rows]
+        if prompts is not None:
+            rows = [dict(p, _row=p.get("_row", i)) for i, p in enumerate(prompts)]
+            if self.agent is not None:  # rows of your own: chats (or environment rows) rendered
+                rows = [r if isinstance(r["prompt"], str) and (self.agent.environment is None or "_env_row" in r)
+                        else dict(self._render([r])[0], _row=r["_row"]) for r in rows]
         with _timer(t, "sync"):
             sync = w.sync_weights()
-        with _timer(t, "generate"):
-            samples = w.generate(rows, seed=c.seed * 100_003 + self.step, policy_version=self.step)
-        with _timer(t, "reward"):
-            given = self._score(samples)  # NaN: no reward
+        backfill, rnd = self._backfill(), self.rounds  # the rounds this step takes count once it trains (update)
+        while True:
+            if prompts is None:
+                rows, seed, rnd = self._prompts_of(rnd), self._round_seed(rnd), rnd + 1
+            else:
+                seed = c.seed * 100_003 + self.step
+            with _timer(t, "generate"):
+                samples = w.generate(rows, seed=seed, policy_version=self.step)
+            with _timer(t, "reward"):
+                given = self._score(samples)  # NaN: no reward
+            if backfill is None or prompts is not None:
+                break
+            backfill.add(rows, samples, given)
+            if backfill.full:
+                rows, samples, given = backfill.result()
+                break
+            backfill.check(self.step)
         return StepBatch(step=self.step, prompts=rows, samples=samples, rewards=given, timings=t, sync=sync,
-                         started=t_step)
+                         started=t_step, sampling=backfill.metrics() if backfill and prompts is None else {},
+                         next_round=rnd if prompts is None else None)
 
     def _generate_ahead(self) -> StepBatch:
         """Asynchronous RL (``off_policy_steps = k > 0``, split placement): this step's batch, sampled while
-        earlier steps trained, and one more generation launched before it returns: the batch of step
-        ``s + k``, sampled with the weights of now (before step ``s``'s update) while the actor trains. So
-        a batch is at most ``k`` policy versions old (its samples carry the version that generated them).
-        Nothing is in flight at the first step (or after ``load``): its batch is generated on-policy."""
+        earlier steps trained, and one more generation launched before it returns: the round trained
+        ``k`` steps from now, sampled with the weights of now (before step ``s``'s update) while the actor
+        trains. So a batch is at most ``k`` policy versions old (its samples carry the version that
+        generated them). Nothing is in flight at the first step (or after ``load``): its batch is
+        generated on-policy. With ``dynamic_sampling`` a short batch takes the next rounds in flight
+        (launching more), so those are fresher, never staler."""
         w, c = self._live_workers(), self.config
         t, t_step = {}, time.perf_counter()
-        first = self._ahead.fill(w, self.step, c.off_policy_steps + 1, self._prompts_of,
-                                 lambda step: c.seed * 100_003 + step)
-        with _timer(t, "wait_generate"):  # what the trainer waited for: the generation it did not hide
-            samples = first.pending.result()
-        with _timer(t, "reward"):
-            given = self._score(samples)
-        t["generate"] = float(samples.timing or 0.0)  # the engines' own time, overlapped with training
-        return StepBatch(step=first.step, prompts=first.pending.prompts, samples=samples, rewards=given, timings=t,
-                         sync=first.sync.result(self.config.timeout_s), started=t_step)
+        backfill = self._backfill()
+        sync = None
+        while True:
+            entry = self._ahead.fill(w, self.step, c.off_policy_steps + 1, self._new_round)
+            sync = sync or entry.sync
+            with _timer(t, "wait_generate"):  # what the trainer waited for: the generation it did not hide
+                samples = entry.pending.result()
+            with _timer(t, "reward"):
+                given = self._score(samples)
+            t["generate"] = t.get("generate", 0.0) + float(samples.timing or 0.0)  # the engines' own, overlapped
+            rows = entry.pending.prompts
+            if backfill is None:
+                break
+            backfill.add(rows, samples, given)
+            if backfill.full:
+                rows, samples, given = backfill.result()
+                break
+            backfill.check(self.step)
+        return StepBatch(step=self.step, prompts=rows, samples=samples, rewards=given, timings=t,
+                         sync=sync.result(self.config.timeout_s), started=t_step,
+                         sampling=backfill.metrics() if backfill else {})
+
+    def _generate_stream(self) -> StepBatch:
+        """Streaming RL (``streaming=True``, split placement; ``rlkit.stream``): chunks of every running sample
+        until the buffer holds ``prompts_per_step`` finished groups (scored as they finish; with dynamic
+        sampling the ones whose rewards are all equal filtered out), taken oldest first; then the next chunk
+        is launched, to run while this batch trains. This step's weights go out first: they land before the
+        next chunk (partial rollouts), or once no sample runs (``partial_rollouts=False``)."""
+        from rlkit.dynamic_sampling import SamplingError, informative_groups
+        from rlkit.stream import group_batch
+
+        w, c, st, t, t_step = self._live_workers(), self.config, self._stream, {}, time.perf_counter()
+        P, dropped0 = c.prompts_per_step, st.dropped_stale
+        self._stream_sync(w, t)
+        while len(st.buffer) < P:
+            if st.pending is None:
+                self._stream_launch(w)
+                if st.pending is None:  # nothing runs: admission waits for the weights (partial_rollouts=False)
+                    self._stream_sync(w, t)
+                    continue
+            future, live, version = st.pending
+            with _timer(t, "wait_generate"):
+                out = future.result(c.timeout_s) if hasattr(future, "result") else future
+            st.pending = None
+            done = st.merge(out["tokens"], out["logprobs"], out["reason"], version, live)
+            if done:
+                with _timer(t, "reward"):
+                    scores = self._score(group_batch(done, self.layout, self._pad_id, self.tokenizer))
+                keep = set(informative_groups([i for i, g in enumerate(done) for _ in g.samples], scores)) \
+                    if c.dynamic_sampling else set(range(len(done)))
+                for i, g in enumerate(done):
+                    g.rewards = scores[i * self.rollout.n:(i + 1) * self.rollout.n]
+                st.buffer = [g for g in st.buffer if g not in done or done.index(g) in keep]
+                st.filtered += len(done) - len(keep)
+                if st.filtered >= c.max_sampling_rounds * P:
+                    raise SamplingError(f"dynamic sampling, step {self.step + 1}: {st.filtered} finished groups had "
+                                        f"all-equal rewards before the step's {P} groups that differ were in; raise "
+                                        f"max_sampling_rounds (now {c.max_sampling_rounds}), or set "
+                                        f"dynamic_sampling=False")
+            st.drop_stale(self.step, c.max_staleness)
+            self._stream_sync(w, t)
+        groups = st.take(P)
+        samples = group_batch(groups, self.layout, self._pad_id, self.tokenizer)
+        rewards = torch.cat([g.rewards for g in groups])
+        crossed = torch.tensor([len(set(s.versions)) > 1 for g in groups for s in g.samples]).float().mean().item()
+        sampling = {"stream/buffer_groups": float(len(st.buffer) + P), "stream/running_groups": float(len(st.running)),
+                    "stream/dropped_stale": float(st.dropped_stale - dropped0), "stream/crossed_share": crossed}
+        if c.dynamic_sampling:
+            sampling["dynamic/filtered_groups"], st.filtered = float(st.filtered), 0
+        self._stream_launch(w)  # the next chunk runs while this batch trains
+        return StepBatch(step=self.step, prompts=[g.row for g in groups], samples=samples, rewards=rewards, timings=t,
+                         sync=self._stream_synced.result(c.timeout_s), started=t_step, sampling=sampling)
+
+    def _new_stream(self):
+        from rlkit.stream import Stream
+
+        c, tok = self.config, self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self._pad_id = int(pad or 0)  # the packed batch's padding (masked out everywhere)
+        return Stream(self.rollout.n, self.rollout.max_new_tokens, c.stream_chunk_tokens,
+                      c.stream_groups or 2 * c.prompts_per_step)
+
+    def _stream_sync(self, w: Any, t: dict[str, float]) -> None:
+        """This step's weights to the rollout engines (behind the chunk in flight), unless they hold them, or
+        with ``partial_rollouts=False`` while a sample runs."""
+        st = self._stream
+        if st.engine_version == self.step or (not self.config.partial_rollouts and st.running
+                                              and st.engine_version >= 0):
+            return
+        with _timer(t, "sync"):
+            self._stream_synced = w.sync_weights_async()
+        st.engine_version = self.step
+
+    def _stream_launch(self, w: Any) -> None:
+        """The next chunk in flight: rounds of the dataset's rows admitted while there is room (and the engines
+        hold this step's weights, with ``partial_rollouts=False``), then every running sample continued."""
+        from rlkit.rollout.base import tokenize_prompts
+
+        st, c = self._stream, self.config
+        while st.room() >= c.prompts_per_step and (c.partial_rollouts or st.engine_version == self.step):
+            rnd = self.rounds
+            self.rounds += 1
+            rows = self._prompts_of(rnd)
+            st.admit(rows, tokenize_prompts([r["prompt"] for r in rows], self.tokenizer), version=st.engine_version)
+        prefixes, seeds, live = st.request()
+        st.pending = (w.continue_async(prefixes, seeds, c.stream_chunk_tokens), live, st.engine_version) if live \
+            else None
+
+    def _backfill(self):
+        """Dynamic sampling's gatherer for this step (None when it is off)."""
+        from rlkit.dynamic_sampling import Backfill
+
+        c = self.config
+        return Backfill(c.prompts_per_step, c.max_sampling_rounds) if c.dynamic_sampling else None
+
+    def _new_round(self) -> tuple[int, list[dict[str, Any]], int]:
+        """Asynchronous RL: the next generation round launched, its index, its rows and its seed."""
+        rnd = self.rounds
+        self.rounds += 1
+        return rnd, self._prompts_of(rnd), self._round_seed(rnd)
+
+    def _round_seed(self, rnd: int) -> int:
+        return self.config.seed * 100_003 + rnd
 
     def estimate(self, batch: StepBatch) -> StepBatch:
         """What the update needs, on the workers and here: the reference's and the old policy's
@@ -296,6 +437,11 @@ class Trainer(TrainerIO):
                 sampling_logprobs = w.old_logprobs(sent)
         with _timer(t, "advantage"):
             batch.kl_mean = self._advantages(s, scores, mask, sampling_logprobs)
+        if self.config.mask_truncated:  # cut at max_new_tokens: in the group's baseline, out of the loss
+            cut = torch.tensor([r == "length" for r in s.finish_reason])
+            mask *= (~cut)[:, None].float()
+            s.advantages = s.advantages * mask
+            batch.sampling["overlong/masked"] = float(cut.sum())
         if sampling_logprobs is not None:  # the engine against the trainer, on the tokens that carry loss
             batch.offpolicy = offpolicy_metrics(s, sampling_logprobs, mask, config=self.config)
         batch.estimated = True
@@ -323,6 +469,8 @@ class Trainer(TrainerIO):
         for key in [k for k in actor if k.startswith("actor/offpolicy/")]:  # the correction taken in the update
             batch.offpolicy[key.removeprefix("actor/")] = actor.pop(key)
         self.step += 1
+        if batch.next_round is not None:  # the dataset's rounds this step took (synchronous; async counts launches)
+            self.rounds = batch.next_round
         row = batch.metrics_row(self.step, settings, actor, critic)
         self._log(row, batch.prompts, batch.samples, batch.rewards)
         return row
@@ -347,17 +495,23 @@ class Trainer(TrainerIO):
         scores = self.rewards.score(samples.columns, samples.completion)  # no functions (an environment's): zeros
         if samples.episode is not None:
             scores = scores + torch.tensor([e.get("env_reward") or 0.0 for e in samples.episode], dtype=scores.dtype)
+        c = self.config
+        if c.overlong_buffer:  # DAPO's soft overlong penalty on the response's length (rlkit.dynamic_sampling)
+            from rlkit.dynamic_sampling import overlong_penalty
+
+            scores = scores + overlong_penalty(samples.response_mask.sum(1), max_tokens=self.rollout.max_new_tokens,
+                                               buffer=c.overlong_buffer, factor=c.overlong_penalty)
         return scores
 
     def _next_prompts(self) -> list[dict[str, Any]]:
-        """The next ``prompts_per_step`` rows, epoch by epoch in a seeded order (resumable from step)."""
-        return self._prompts_of(self.step)
+        """The next round's ``prompts_per_step`` rows (not taken: ``_new_round`` takes them)."""
+        return self._prompts_of(self.rounds)
 
-    def _prompts_of(self, step: int) -> list[dict[str, Any]]:
-        """Step ``step``'s ``prompts_per_step`` rows (0-based step)."""
+    def _prompts_of(self, rnd: int) -> list[dict[str, Any]]:
+        """Generation round ``rnd``'s ``prompts_per_step`` rows (0-based), epoch by epoch in a seeded order."""
         n, k = len(self.rows), self.config.prompts_per_step
         out = []
-        for i in range(step * k, step * k + k):
+        for i in range(rnd * k, rnd * k + k):
             epoch, pos = divmod(i, n)
             order = inputs.epoch_order(n, self.config.seed, epoch)
             out.append(dict(self.rows[order[pos]], _row=order[pos]))

@@ -35,10 +35,16 @@ class TrainerIO:
         model's config: ``load`` checks both (``rlkit.checkpoint``)."""
         from rlkit import checkpoint
 
-        state = {"step": self.step, "rows": self.history.rows, "kl_coef": getattr(self.kl_ctl, "value", None),
+        state = {"step": self.step, "rounds": self.rounds, "rows": self.history.rows, "kl_coef": getattr(self.kl_ctl, "value", None),
                  **self._state_config()}
+        ahead = self._ahead.saved(self.config.timeout_s) if self._ahead else None
+        if self._stream is not None:  # streaming: the running samples, the buffer, the chunk in flight (waited for)
+            pending = self._stream.pending
+            if pending is not None and hasattr(pending[0], "result"):
+                self._stream.pending = (pending[0].result(self.config.timeout_s), *pending[1:])
+            ahead = {"stream": self._stream.saved(self._stream.pending[0] if self._stream.pending else None)}
         return checkpoint.write_trainer(path, self.workers, state, self.model_path, lora=self.config.lora,
-                                        ahead=self._ahead.saved(self.config.timeout_s) if self._ahead else None)
+                                        ahead=ahead)
 
     def save_pretrained(self, path: str | os.PathLike, *, dtype: str | torch.dtype | None = None) -> str:
         """The trained actor as a plain Hugging Face checkpoint folder, from any layout: config, safetensors
@@ -106,8 +112,15 @@ class TrainerIO:
             raise checkpoint.worker_failure(path, e) from None
         self.step, self.history = state["step"], History([r for r in state["rows"] if r.get("step", 0) <= state["step"]])
         ahead = checkpoint.read_ahead(path)
-        if ahead is not None:  # asynchronous RL: the batches in flight at save, trained next as they were
+        if isinstance(ahead, dict) and "stream" in ahead:  # streaming: running samples and buffer, as they were
+            from rlkit.stream import Stream
+
+            self._stream, ahead = Stream.restore(ahead["stream"]), None
+            self._stream.engine_version = -1  # the engines start from the model's files: they take the weights first
+        elif ahead is not None:  # asynchronous RL: the batches in flight at save, trained next as they were
             self._ahead.restore(ahead)
+        # the dataset's prompt batches taken (a checkpoint from before dynamic sampling: one per step and entry)
+        self.rounds = state.get("rounds", self.step + len(ahead or []))
         if state.get("kl_coef") is not None and hasattr(self.kl_ctl, "value"):
             self.kl_ctl.value = state["kl_coef"]
         # One truthful history: metrics.jsonl rolled back to the checkpoint at once (a crash now would leave

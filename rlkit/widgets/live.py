@@ -61,7 +61,9 @@ LINE_PANELS = (("KL", "kl"), ("entropy", "entropy"), ("response length", "respon
                # that sampled it is from the trainer (rlkit.algos.offpolicy)
                ("staleness (versions behind)", "offpolicy/staleness_max"),
                ("engine vs trainer max |Δ log p|", "offpolicy/max_abs_dlogp"),
-               ("importance ratio pi_old/mu max", "offpolicy/ratio_max"))
+               ("importance ratio pi_old/mu max", "offpolicy/ratio_max"),
+               # dynamic sampling (rlkit.dynamic_sampling): the generated groups filtered out (all rewards equal)
+               ("filtered groups (share)", "dynamic/filtered_share"))
 RANK_KEY = re.compile(r"^memory/rss_gb/rank(\d+)$")
 ERROR_KEY = re.compile(r"^episode/errors/(.+)$")  # tool errors of one kind per episode (bad_json, timeout, ...)
 DPI = 80  # 12x6 in -> 960x480 px: readable in a notebook, cheap to render

@@ -310,6 +310,14 @@ class RolloutWorker:
         return generate_batch(self.engine, self.layout, prompts, self.layout.rank_seed(seed, self.dp_rank),
                               agent=self.agent, **overrides)
 
+    def continue_samples(self, request: dict[str, list], max_new_tokens: int) -> dict[str, list]:
+        """Streaming (``rlkit.stream``): each prefix (a prompt and its response so far, token ids) continued by up
+        to ``max_new_tokens`` tokens, one sample each, drawn from its own ``seed``; per prefix the new tokens,
+        their log-probs and why it stopped ("stop", or "length": the chunk ran out)."""
+        cfg = self.engine.config.with_overrides(n=1, max_new_tokens=max_new_tokens)
+        tokens, logprobs, reasons = self.engine.generate_ids(request["prefix"], cfg, request["seed"])
+        return {"tokens": tokens, "logprobs": logprobs, "reason": reasons}
+
     def join_weight_channel(self, ip: str, port: int, size: int, timeout_s: float) -> None:
         """This worker's end of the weight channel from the actor's rank 0 (``RLWorker.host_weight_channel``)."""
         self.channel = WeightChannel.join(ip, port, rank=self.dp_rank + 1, size=size, timeout_s=timeout_s)

@@ -155,6 +155,14 @@ class RLWorkers:
             self._rollout_calls = [f for f in self._rollout_calls if not f.done()] + [future]
         return PendingBatch(self, future, prompts, policy_version)
 
+    def continue_async(self, prefixes: list[list[int]], seeds: list[int], max_new_tokens: int) -> Any:
+        """Streaming: a chunk of every running sample on the rollout workers (``RolloutWorker.continue_samples``,
+        split over them), queued behind what they run; ``.result(timeout)`` is its dict of per-sample lists."""
+        future = self.rollout_group.call_dp_async(RolloutWorker.continue_samples, {"prefix": prefixes, "seed": seeds},
+                                                  max_new_tokens)
+        self._rollout_calls = [f for f in self._rollout_calls if not f.done()] + [future]
+        return future
+
     def sync_weights_async(self) -> SyncInFlight:
         """Split placement: gather the actor's weights to its rank 0 now (a collective on the actor's group,
         which waits for it), which sends them to the rollout workers over the weight channel

@@ -1,0 +1,195 @@
+"""Streaming RL with partial rollouts (``TrainerConfig(streaming=True)``, split placement).
+
+The rollout workers never generate whole batches. They advance every running sample by a chunk of
+``stream_chunk_tokens`` tokens per call, continuing each from its prefix (its prompt and its tokens so far,
+prefilled again), and the driver keeps the samples between chunks: their tokens, the engine's log-prob of
+each, and the policy version that sampled each. So:
+
+- **streaming**: a group (the ``Rollout.n`` samples of a prompt) goes to the buffer when its last sample
+  ends; a step trains as soon as the buffer holds ``prompts_per_step`` groups, never waiting for the
+  slowest response of a batch. Finished samples free their slots for new prompts at the next chunk
+  (admission is by whole rounds of ``prompts_per_step`` rows, the dataset's next ones, while fewer than
+  ``stream_groups`` groups are running or buffered: the buffer is bounded);
+- **weights in flight (partial rollouts)**: after each update the new weights go to the rollout workers
+  at the next chunk boundary, without waiting for the running samples, which go on under them (a token
+  boundary). With ``partial_rollouts=False`` the weights wait until no sample is running instead
+  (admission pauses), so a sample never crosses an update;
+- **a staleness bound**: a group whose oldest token is more than ``max_staleness`` versions behind the
+  trainer is dropped and counted, when it is running (it can only get older) and when a step takes it.
+
+One chunk is in flight while the actor trains (launched before ``Trainer.update``); the weights of that
+update land right after it. Every decision here (admission, which chunk the weights land before, which
+groups a step takes) depends on token counts, never on timing: a run is reproducible, and ``save`` /
+``Trainer.load`` resume it exactly (the running samples, the buffer and the chunk in flight are kept).
+
+>>> s = Stream(n=2, max_new_tokens=4, chunk_tokens=2, capacity=2)
+>>> s.admit([{"prompt": "ab", "_row": 0}], [[5, 6]], version=0)
+>>> prefixes, seeds, _ = s.request()
+>>> prefixes
+[[5, 6], [5, 6]]
+>>> done = s.merge([[7, 1], [8, 9]], [[-0.1, -0.2], [-0.3, -0.4]], ["stop", "length"], version=0)
+>>> done, s.request()[0]                    # sample 1 ended; sample 2 goes on from its prefix
+([], [[5, 6, 8, 9]])
+>>> [g.row["prompt"] for g in s.merge([[3, 4]], [[-0.5, -0.6]], ["length"], version=1)]
+['ab']
+>>> s.running, s.buffer[0].samples[1].versions    # a sample that crossed an update: its tokens' versions
+([], [0, 0, 1, 1])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlkit.batch import Batch
+
+
+@dataclass(eq=False)
+class Sample:
+    """One response being generated: its tokens so far, the engine's log-prob and policy version of each."""
+
+    prompt_ids: list[int]
+    seed: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: str | None = None  # "stop" / "length" once it ended
+
+
+@dataclass(eq=False)
+class Group:
+    """The ``n`` samples of one prompt row, admitted at ``version``."""
+
+    key: int  # admission order over the run
+    row: dict[str, Any]
+    samples: list[Sample]
+    version: int
+    rewards: torch.Tensor | None = None  # once finished and scored
+
+    @property
+    def done(self) -> bool:
+        return all(s.finish is not None for s in self.samples)
+
+    @property
+    def oldest(self) -> int:
+        """The policy version of its oldest token (the admission's, before any token)."""
+        return min((v for s in self.samples for v in s.versions[:1]), default=self.version)
+
+
+class Stream:
+    """The driver's side of streaming: running groups, the buffer of finished ones, the chunk requests and
+    their merge (see the module docstring). ``capacity``: running plus buffered groups at most."""
+
+    def __init__(self, n: int, max_new_tokens: int, chunk_tokens: int, capacity: int):
+        self.n, self.max_new_tokens, self.chunk_tokens, self.capacity = n, max_new_tokens, chunk_tokens, capacity
+        self.running: list[Group] = []
+        self.buffer: list[Group] = []
+        self.admitted = 0        # groups admitted over the run (their keys)
+        self.chunks = 0          # chunk calls launched over the run (their seeds)
+        self.dropped_stale = 0   # groups dropped by the staleness bound (over the run)
+        self.pending: Any = None  # the chunk in flight: (future or ready result, its samples, engine version)
+        self.engine_version = -1  # the actor step whose weights the rollout engines hold (or are loading)
+        self.filtered = 0         # dynamic sampling: finished groups filtered out since the last step
+
+    # ---- admission and chunks --------------------------------------------------------------------
+    def room(self) -> int:
+        """Groups that may be admitted now."""
+        return self.capacity - len(self.running) - len(self.buffer)
+
+    def admit(self, rows: list[dict[str, Any]], prompt_ids: list[list[int]], version: int) -> None:
+        """New prompt rows (tokenized: ``prompt_ids``), ``n`` samples each, admitted under ``version``."""
+        for row, ids in zip(rows, prompt_ids):
+            key = self.admitted
+            self.admitted += 1
+            samples = [Sample(list(ids), seed=(key * 1_000_003 + j) % 2**31) for j in range(self.n)]
+            self.running.append(Group(key, row, samples, version))
+
+    def _live(self) -> list[Sample]:
+        return [s for g in self.running for s in g.samples if s.finish is None]
+
+    def request(self) -> tuple[list[list[int]], list[int], list[Sample]]:
+        """The next chunk: every running sample's prefix (prompt + tokens so far) and its seed for this chunk."""
+        live = self._live()
+        prefixes = [s.prompt_ids + s.tokens for s in live]
+        seeds = [(s.seed * 7919 + len(s.tokens)) % 2**31 for s in live]
+        return prefixes, seeds, live
+
+    def merge(self, tokens: list[list[int]], logprobs: list[list[float]], reasons: list[str],
+              version: int, samples: list[Sample] | None = None) -> list[Group]:
+        """A chunk's result for ``samples`` (default: the running ones, as ``request`` listed them), sampled
+        under ``version``; returns the groups it finished (also appended to the buffer), in admission order.
+        A sample ends at a stop ("stop") or at ``max_new_tokens`` ("length"; tokens past it are dropped)."""
+        samples = self._live() if samples is None else samples
+        for s, toks, lps, why in zip(samples, tokens, logprobs, reasons, strict=True):
+            room = self.max_new_tokens - len(s.tokens)
+            cut = len(toks) > room
+            s.tokens += list(toks)[:room]
+            s.logprobs += list(lps)[:room]
+            s.versions += [version] * min(len(toks), room)
+            if why == "stop" and not cut:
+                s.finish = "stop"
+            elif len(s.tokens) >= self.max_new_tokens:
+                s.finish = "length"
+        done = [g for g in self.running if g.done]
+        self.running = [g for g in self.running if not g.done]
+        self.buffer += done
+        return done
+
+    def drop_stale(self, step: int, max_staleness: int) -> int:
+        """Drop the running and buffered groups whose oldest token is more than ``max_staleness`` versions
+        behind the trainer at ``step``; returns how many."""
+        keep = lambda g: step - g.oldest <= max_staleness  # noqa: E731
+        before = len(self.running) + len(self.buffer)
+        self.running = [g for g in self.running if keep(g)]
+        self.buffer = [g for g in self.buffer if keep(g)]
+        dropped = before - len(self.running) - len(self.buffer)
+        self.dropped_stale += dropped
+        return dropped
+
+    def take(self, count: int) -> list[Group]:
+        """The ``count`` oldest finished groups, out of the buffer."""
+        out, self.buffer = self.buffer[:count], self.buffer[count:]
+        return out
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+    def saved(self, result: Any = None) -> dict[str, Any]:
+        """Everything as plain data, to pickle in one piece (the chunk in flight: its ``result``, waited for by
+        the caller and kept unmerged, with the very samples it continues)."""
+        state = dict(vars(self))
+        if self.pending is not None:
+            state["pending"] = (result, *self.pending[1:])
+        return state
+
+    @classmethod
+    def restore(cls, state: dict[str, Any]) -> Stream:
+        """The stream ``saved`` gave (its chunk in flight ready, to merge next)."""
+        out = cls.__new__(cls)
+        vars(out).update(state)
+        return out
+
+
+def group_batch(groups: list[Group], layout: Any, pad_token_id: int, tokenizer: Any) -> Batch:
+    """Finished groups as one batch of ``layout`` (uids 0.. in their order): the samples, the engine's
+    log-probs, ``policy_version`` (the oldest token's) and ``token_version`` (each token's)."""
+    from rlkit.rollout.base import assemble
+
+    samples = [s for g in groups for s in g.samples]
+    index = [i for i, g in enumerate(groups) for _ in g.samples]
+    out = assemble([s.prompt_ids for s in samples], index, [s.tokens for s in samples], [s.logprobs for s in samples],
+                   [s.finish for s in samples], tokenizer.batch_decode([s.tokens for s in samples],
+                                                                       skip_special_tokens=True),
+                   pad_token_id, [], {}, "stream")
+    request = {"uid": list(range(len(groups))), "row": [g.row.get("_row") for g in groups]}
+    batch = layout.pack(out, request, pad_token_id)
+    batch.columns = {k: [groups[u].row[k] for u in batch.uid] for k in groups[0].row if k not in ("_row", "_env_row")}
+    batch.token_version = torch.zeros_like(batch.response_mask, dtype=torch.long)
+    for i, s in enumerate(samples):
+        batch.token_version[i, :len(s.versions)] = torch.tensor(s.versions, dtype=torch.long)
+    batch.policy_version = torch.tensor([min(s.versions, default=g.version) for g in groups for s in g.samples],
+                                        dtype=torch.long)
+    return batch
+
+
+__all__ = ["Group", "Sample", "Stream", "group_batch"]
