@@ -126,6 +126,9 @@ class StepBatch:
         if s.policy_version is not None:  # how many updates behind the actor the sampling policy was (async RL)
             lag = (step - 1) - s.policy_version.float()
             row["offpolicy/staleness_mean"], row["offpolicy/staleness_max"] = lag.mean().item(), lag.max().item()
+            if s.token_version is not None:  # streaming: the samples' share by versions behind (their oldest token)
+                for k, count in zip(*lag.long().unique(return_counts=True)):
+                    row[f"stream/staleness/{int(k)}"] = count.item() / len(lag)
         if self.kl_mean is not None:
             row["kl"] = self.kl_mean
         elif "actor/kl_loss" in actor:

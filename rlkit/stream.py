@@ -17,8 +17,9 @@ each, and the policy version that sampled each. So:
 - **a staleness bound**: a group whose oldest token is more than ``max_staleness`` versions behind the
   trainer is dropped and counted, when it is running (it can only get older) and when a step takes it.
 
-One chunk is in flight while the actor trains (launched before ``Trainer.update``); the weights of that
-update land right after it. Every decision here (admission, which chunk the weights land before, which
+The groups take turns in two lanes: while one lane's chunk is merged in the driver, the other's runs, so
+the rollout workers always have a chunk queued; both are in flight while the actor trains (launched before
+``Trainer.update``), and the weights of that update land right after them. Every decision here (admission, which chunk the weights land before, which
 groups a step takes) depends on token counts, never on timing: a run is reproducible, and ``save`` /
 ``Trainer.load`` resume it exactly (the running samples, the buffer and the chunk in flight are kept).
 
@@ -82,14 +83,15 @@ class Stream:
     """The driver's side of streaming: running groups, the buffer of finished ones, the chunk requests and
     their merge (see the module docstring). ``capacity``: running plus buffered groups at most."""
 
-    def __init__(self, n: int, max_new_tokens: int, chunk_tokens: int, capacity: int):
+    def __init__(self, n: int, max_new_tokens: int, chunk_tokens: int, capacity: int, lanes: int = 2):
         self.n, self.max_new_tokens, self.chunk_tokens, self.capacity = n, max_new_tokens, chunk_tokens, capacity
+        self.lanes = lanes  # groups take turns by lane (key % lanes): one lane's chunk runs while another's merges
         self.running: list[Group] = []
         self.buffer: list[Group] = []
         self.admitted = 0        # groups admitted over the run (their keys)
         self.chunks = 0          # chunk calls launched over the run (their seeds)
         self.dropped_stale = 0   # groups dropped by the staleness bound (over the run)
-        self.pending: Any = None  # the chunk in flight: (future or ready result, its samples, engine version)
+        self.inflight: list[tuple] = []  # chunks in flight, oldest first: (future or result, samples, version, lane)
         self.engine_version = -1  # the actor step whose weights the rollout engines hold (or are loading)
         self.filtered = 0         # dynamic sampling: finished groups filtered out since the last step
 
@@ -109,9 +111,16 @@ class Stream:
     def _live(self) -> list[Sample]:
         return [s for g in self.running for s in g.samples if s.finish is None]
 
-    def request(self) -> tuple[list[list[int]], list[int], list[Sample]]:
-        """The next chunk: every running sample's prefix (prompt + tokens so far) and its seed for this chunk."""
-        live = self._live()
+    def idle_lanes(self) -> list[int]:
+        """The lanes with no chunk in flight."""
+        busy = {entry[3] for entry in self.inflight}
+        return [lane for lane in range(self.lanes) if lane not in busy]
+
+    def request(self, lane: int | None = None) -> tuple[list[list[int]], list[int], list[Sample]]:
+        """The next chunk of ``lane`` (None: all): its running samples' prefixes (prompt + tokens so far) and
+        their seeds for this chunk."""
+        live = [s for g in self.running if lane is None or g.key % self.lanes == lane for s in g.samples
+                if s.finish is None]
         prefixes = [s.prompt_ids + s.tokens for s in live]
         seeds = [(s.seed * 7919 + len(s.tokens)) % 2**31 for s in live]
         return prefixes, seeds, live
@@ -154,17 +163,16 @@ class Stream:
         return out
 
     # ---- checkpoints -------------------------------------------------------------------------------
-    def saved(self, result: Any = None) -> dict[str, Any]:
-        """Everything as plain data, to pickle in one piece (the chunk in flight: its ``result``, waited for by
-        the caller and kept unmerged, with the very samples it continues)."""
-        state = dict(vars(self))
-        if self.pending is not None:
-            state["pending"] = (result, *self.pending[1:])
-        return state
+    def saved(self) -> dict[str, Any]:
+        """Everything as plain data, to pickle in one piece (the chunks in flight, their results waited for by
+        the caller and kept unmerged, with the very samples they continue)."""
+        if any(hasattr(entry[0], "result") for entry in self.inflight):
+            raise RuntimeError("wait for the chunks in flight before saving the stream")
+        return dict(vars(self))
 
     @classmethod
     def restore(cls, state: dict[str, Any]) -> Stream:
-        """The stream ``saved`` gave (its chunk in flight ready, to merge next)."""
+        """The stream ``saved`` gave (its chunks in flight ready, to merge next)."""
         out = cls.__new__(cls)
         vars(out).update(state)
         return out

@@ -318,15 +318,14 @@ class Trainer(TrainerIO):
         P, dropped0 = c.prompts_per_step, st.dropped_stale
         self._stream_sync(w, t)
         while len(st.buffer) < P:
-            if st.pending is None:
+            if not st.inflight:
                 self._stream_launch(w)
-                if st.pending is None:  # nothing runs: admission waits for the weights (partial_rollouts=False)
+                if not st.inflight:  # nothing runs: admission waits for the weights (partial_rollouts=False)
                     self._stream_sync(w, t)
                     continue
-            future, live, version = st.pending
+            future, live, version, _ = st.inflight.pop(0)
             with _timer(t, "wait_generate"):
                 out = future.result(c.timeout_s) if hasattr(future, "result") else future
-            st.pending = None
             done = st.merge(out["tokens"], out["logprobs"], out["reason"], version, live)
             if done:
                 with _timer(t, "reward"):
@@ -344,6 +343,8 @@ class Trainer(TrainerIO):
                                         f"dynamic_sampling=False")
             st.drop_stale(self.step, c.max_staleness)
             self._stream_sync(w, t)
+            if len(st.buffer) < P:
+                self._stream_launch(w)  # this lane's next chunk, queued behind the other lane's
         groups = st.take(P)
         samples = group_batch(groups, self.layout, self._pad_id, self.tokenizer)
         rewards = torch.cat([g.rewards for g in groups])
@@ -352,7 +353,7 @@ class Trainer(TrainerIO):
                     "stream/dropped_stale": float(st.dropped_stale - dropped0), "stream/crossed_share": crossed}
         if c.dynamic_sampling:
             sampling["dynamic/filtered_groups"], st.filtered = float(st.filtered), 0
-        self._stream_launch(w)  # the next chunk runs while this batch trains
+        self._stream_launch(w)  # the next chunks run while this batch trains
         return StepBatch(step=self.step, prompts=[g.row for g in groups], samples=samples, rewards=rewards, timings=t,
                          sync=self._stream_synced.result(c.timeout_s), started=t_step, sampling=sampling)
 
@@ -377,8 +378,9 @@ class Trainer(TrainerIO):
         st.engine_version = self.step
 
     def _stream_launch(self, w: Any) -> None:
-        """The next chunk in flight: rounds of the dataset's rows admitted while there is room (and the engines
-        hold this step's weights, with ``partial_rollouts=False``), then every running sample continued."""
+        """The next chunks in flight: rounds of the dataset's rows admitted while there is room (and the engines
+        hold this step's weights, with ``partial_rollouts=False``), then a chunk for each lane with none in
+        flight, continuing its running samples."""
         from rlkit.rollout.base import tokenize_prompts
 
         st, c = self._stream, self.config
@@ -387,9 +389,11 @@ class Trainer(TrainerIO):
             self.rounds += 1
             rows = self._prompts_of(rnd)
             st.admit(rows, tokenize_prompts([r["prompt"] for r in rows], self.tokenizer), version=st.engine_version)
-        prefixes, seeds, live = st.request()
-        st.pending = (w.continue_async(prefixes, seeds, c.stream_chunk_tokens), live, st.engine_version) if live \
-            else None
+        for lane in st.idle_lanes():
+            prefixes, seeds, live = st.request(lane)
+            if live:
+                st.inflight.append((w.continue_async(prefixes, seeds, c.stream_chunk_tokens), live, st.engine_version,
+                                    lane))
 
     def _backfill(self):
         """Dynamic sampling's gatherer for this step (None when it is off)."""

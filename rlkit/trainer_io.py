@@ -39,10 +39,10 @@ class TrainerIO:
                  **self._state_config()}
         ahead = self._ahead.saved(self.config.timeout_s) if self._ahead else None
         if self._stream is not None:  # streaming: the running samples, the buffer, the chunk in flight (waited for)
-            pending = self._stream.pending
-            if pending is not None and hasattr(pending[0], "result"):
-                self._stream.pending = (pending[0].result(self.config.timeout_s), *pending[1:])
-            ahead = {"stream": self._stream.saved(self._stream.pending[0] if self._stream.pending else None)}
+            st = self._stream
+            st.inflight = [(f.result(self.config.timeout_s) if hasattr(f, "result") else f, *rest)
+                           for f, *rest in st.inflight]
+            ahead = {"stream": st.saved()}
         return checkpoint.write_trainer(path, self.workers, state, self.model_path, lora=self.config.lora,
                                         ahead=ahead)
 

@@ -22,6 +22,7 @@ from _logprob_ref import layout_logprobs
 import rlkit
 from rlkit.models import tiny_lm
 from rlkit.trainer import Trainer, TrainerError
+from rlkit.widgets.live import metrics_figure
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -83,10 +84,16 @@ def test_streamed_tokens_carry_their_version_and_log_prob_within_the_bound_and_r
 
         df = tr.metrics
         assert df["offpolicy/staleness_max"].max() <= 1.0
+        # the live view: samples by versions behind (stacked shares, 1 per step), those that crossed an update
+        axes = {ax.get_title(): ax for ax in metrics_figure(df).axes}
+        lags = [k for k in df.columns if k.startswith("stream/staleness/")]
+        assert df[lags].fillna(0).sum(1).round(6).tolist() == [1.0] * len(df)
+        assert len(axes["samples by versions behind (share)"].collections) == len(lags)
+        assert list(axes["samples across an update (share)"].lines[0].get_ydata()) == df["stream/crossed_share"].tolist()
         assert df["stream/dropped_stale"].sum() > 0  # the long groups that crossed too many updates
         tr.save(tmp_path / "ckpt")
         st = tr._stream
-        assert st.running and st.pending is not None  # saved mid-stream: samples running, a chunk in flight
+        assert st.running and st.inflight  # saved mid-stream: samples running, chunks in flight
         rest = tr.fit(steps=2, view="none").iloc[4:]
         df, st = tr.metrics, tr._stream
         # every admitted group: trained once, dropped, filtered, or still in the stream

@@ -309,3 +309,35 @@ def test_multi_turn_episodes_on_vllm(tmp_path):
         assert max_masked_diff(actor, gen["rollout_logprobs"], gen["loss_mask"]) < TOL
     finally:
         tr.close()
+
+
+@pytest.mark.ray
+def test_streaming_with_partial_rollouts_on_vllm(tmp_path):
+    """Streaming on vLLM generates in chunks between weight syncs (token-id prefixes continued; the CPU build
+    has no abort-and-resume of a running request): every token's log-prob is vLLM's under the weights of the
+    version it records, recomputed with a plain transformers model loaded with the actor's weights then."""
+    from _logprob_ref import layout_logprobs
+    from transformers import AutoModelForCausalLM
+
+    tr = rlkit.Trainer(model=tiny_lm(**VLLM_MODEL), dataset=rlkit.tasks.repeat, algorithm="grpo",
+                       rollout=rlkit.Rollout(engine="vllm", n=2, max_new_tokens=12, dtype="float32", kv_cache_gb=1),
+                       prompts_per_step=2, lr=2e-2, seed=0, placement="split", streaming=True, stream_chunk_tokens=4,
+                       max_staleness=2, offpolicy_correction="tis", run_dir=str(tmp_path / "stream"))
+    model = AutoModelForCausalLM.from_pretrained(tr.model_path, dtype=torch.float32)
+    try:
+        weights, crossed = {0: tr.workers.full_weights()}, 0
+        for _ in range(4):
+            batch = tr.generate()
+            tr.update(tr.estimate(batch))
+            weights[tr.step] = tr.workers.full_weights()
+            s, mask = batch.samples, batch.samples.response_mask.bool()
+            expected = torch.zeros_like(s.rollout_logprobs)
+            for v in s.token_version[mask].unique().tolist():
+                model.load_state_dict(weights[v])
+                expected = torch.where(s.token_version == v, layout_logprobs(model, s, tr.layout.prompt_len), expected)
+            assert max_masked_diff(expected, s.rollout_logprobs, mask) <= 1e-3
+            assert batch.step - s.token_version[mask].min() <= 2
+            crossed += int((s.token_version.masked_fill(~mask, -1).max(1).values > s.policy_version).sum())
+        assert crossed > 0
+    finally:
+        tr.close()

@@ -63,7 +63,12 @@ LINE_PANELS = (("KL", "kl"), ("entropy", "entropy"), ("response length", "respon
                ("engine vs trainer max |Δ log p|", "offpolicy/max_abs_dlogp"),
                ("importance ratio pi_old/mu max", "offpolicy/ratio_max"),
                # dynamic sampling (rlkit.dynamic_sampling): the generated groups filtered out (all rewards equal)
-               ("filtered groups (share)", "dynamic/filtered_share"))
+               ("filtered groups (share)", "dynamic/filtered_share"),
+               # streaming (rlkit.stream): the samples whose tokens span versions, and the buffer's fill
+               ("samples across an update (share)", "stream/crossed_share"),
+               ("stream buffer (groups)", "stream/buffer_groups"))
+STALENESS = "samples by versions behind (share)"  # streaming: a stacked histogram per step
+LAG_KEY = re.compile(r"^stream/staleness/(\d+)$")
 RANK_KEY = re.compile(r"^memory/rss_gb/rank(\d+)$")
 ERROR_KEY = re.compile(r"^episode/errors/(.+)$")  # tool errors of one kind per episode (bad_json, timeout, ...)
 DPI = 80  # 12x6 in -> 960x480 px: readable in a notebook, cheap to render
@@ -206,8 +211,14 @@ def _reward_panel(ax: Any, df: pd.DataFrame, x: Any, rolling: int) -> None:
 
 
 def _timing_panel(ax: Any, df: pd.DataFrame, x: Any) -> None:
-    """Seconds per phase, stacked per step, drawn as bars without gaps: one stepped ``fill_between`` per
-    phase. 7 polygons cost a few ms; 7 x 500 bar rectangles (or ``stairs`` patches, whose limits
+    """Seconds per phase, stacked per step."""
+    present = [(p, c) for p, c in zip(PHASES, PHASE_COLORS) if _has(df, f"timing/{p}")]
+    _stacked(ax, df, x, [(p, f"timing/{p}") for p, _ in present], [c for _, c in present])
+
+
+def _stacked(ax: Any, df: pd.DataFrame, x: Any, parts: list[tuple[str, str]], colors: Any = None) -> None:
+    """``parts`` (label, key) stacked per step, drawn as bars without gaps: one stepped ``fill_between`` per
+    part. 7 polygons cost a few ms; 7 x 500 bar rectangles (or ``stairs`` patches, whose limits
     matplotlib walks segment by segment) cost 0.1-0.2 s."""
     import numpy as np
 
@@ -217,11 +228,11 @@ def _timing_panel(ax: Any, df: pd.DataFrame, x: Any) -> None:
     edges = np.concatenate([[xs[0] - half[0]], xs[:-1] + half, [xs[-1] + half[-1]]])
     xx = np.repeat(edges, 2)[1:-1]  # each step's block: (left, y), (right, y)
     bottom = np.zeros(len(xs))
-    for p, c in zip(PHASES, PHASE_COLORS):
-        if _has(df, f"timing/{p}"):
-            top = bottom + df[f"timing/{p}"].fillna(0.0).to_numpy()
-            ax.fill_between(xx, np.repeat(bottom, 2), np.repeat(top, 2), color=c, lw=0, label=p)
-            bottom = top
+    colors = colors or [f"C{i}" for i in range(len(parts))]
+    for (label, key), c in zip(parts, colors):
+        top = bottom + df[key].fillna(0.0).to_numpy()
+        ax.fill_between(xx, np.repeat(bottom, 2), np.repeat(top, 2), color=c, lw=0, label=label)
+        bottom = top
     _legend_on_top(ax)
 
 
@@ -265,6 +276,8 @@ def panels(df: pd.DataFrame) -> list[str]:
     """
     out = ["reward"] if _has(df, "reward/mean") else []
     out += [title for title, key in LINE_PANELS if _has(df, key)]
+    if any(LAG_KEY.match(k) for k in df.columns):
+        out.append(STALENESS)
     if any(_has(df, f"timing/{p}") for p in PHASES):
         out.append("phase timing (s)")
     if _rank_keys(df) or _has(df, "memory/rss_max_gb"):
@@ -310,6 +323,9 @@ def metrics_figure(df_or_rows: pd.DataFrame | list[dict[str, Any]], *, rolling: 
             _reward_panel(ax, df, x, rolling)
         elif name == "phase timing (s)":
             _timing_panel(ax, df, x)
+        elif name == STALENESS:
+            lags = sorted((int(LAG_KEY.match(k).group(1)), k) for k in df.columns if LAG_KEY.match(k))
+            _stacked(ax, df, x, [(f"{lag} behind", k) for lag, k in lags])
         elif name == "memory per worker (GiB)":
             _memory_panel(ax, df, x)
         elif name == TOOL_ERRORS:
