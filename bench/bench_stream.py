@@ -12,7 +12,8 @@ process, rounds rotating the order:
 - ``split sync``: generate, then train;
 - ``one-step-off``: ``off_policy_steps=1`` (TIS): step k+1's batch samples while step k trains;
 - ``streaming``: ``streaming=True`` (TIS), chunks of ``--chunk`` tokens, weights landing mid-sample,
-  ``max_staleness=--staleness``.
+  ``max_staleness=--staleness``, ``stream_groups`` the default 2 x prompts_per_step;
+- ``streaming 4P``: the same with 4 x prompts_per_step groups running or buffered (more samples per chunk).
 
 Per step from the metrics rows: step seconds, the trainer's wait for its batch, the update; trained tokens
 (response tokens in the batch) per second of wall clock over the measured steps. The first ``--warmup``
@@ -33,7 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {"split sync": dict(),
            "one-step-off": dict(off_policy_steps=1, offpolicy_correction="tis"),
-           "streaming": dict(streaming=True, offpolicy_correction="tis")}
+           "streaming": dict(streaming=True, offpolicy_correction="tis"),
+           "streaming 4P": dict(streaming=True, offpolicy_correction="tis", stream_groups=4)}  # x prompts_per_step
 SHORT_TEXT = "xyzxyzx<|endoftext|>"  # 7 tokens and the end token in the tiny tokenizer
 
 
@@ -52,7 +54,8 @@ def worker(args: argparse.Namespace) -> None:
     rows, script = rows_and_script()
     cfg = dict(CONFIGS[args.config])
     if cfg.get("streaming"):
-        cfg.update(stream_chunk_tokens=args.chunk, max_staleness=args.staleness)
+        cfg.update(stream_chunk_tokens=args.chunk, max_staleness=args.staleness,
+                   stream_groups=cfg.get("stream_groups", 2) * args.prompts)
     tr = rlkit.Trainer(model=rlkit.models.tiny_lm("qwen2", size="small"), dataset=rows,
                        reward=rlkit.tasks.repeat.reward, algorithm="grpo", placement="split",
                        rollout=rlkit.Rollout(engine="hf", n=args.n, max_new_tokens=args.long, script=script),
@@ -128,10 +131,12 @@ def main() -> None:
         sums = [summary(x, args.warmup) for x in rs]
         table[c] = {k: statistics.median([s[k] for s in sums]) for k in keys}
         print(f"| {c} | " + " | ".join("-" if v != v else f"{v:.3f}" for v in table[c].values()) + " |")
-    st, off, sync = table["streaming"], table["one-step-off"], table["split sync"]
-    print(f"\nstreaming / one-step-off trained tokens/s: {st['trained tok/s'] / off['trained tok/s']:.2f}x; "
-          f"streaming / split sync: {st['trained tok/s'] / sync['trained tok/s']:.2f}x; "
-          f"one-step-off / split sync: {off['trained tok/s'] / sync['trained tok/s']:.2f}x")
+    off, sync = table["one-step-off"], table["split sync"]
+    for name in ("streaming", "streaming 4P"):
+        st = table[name]
+        print(f"\n{name} / one-step-off trained tokens/s: {st['trained tok/s'] / off['trained tok/s']:.2f}x; "
+              f"{name} / split sync: {st['trained tok/s'] / sync['trained tok/s']:.2f}x")
+    print(f"one-step-off / split sync: {off['trained tok/s'] / sync['trained tok/s']:.2f}x")
     print("\nreward per step and wall-clock second (first round):")
     for c, rs in results.items():
         t, curve = 0.0, []

@@ -94,6 +94,7 @@ class Stream:
         self.inflight: list[tuple] = []  # chunks in flight, oldest first: (future or result, samples, version, lane)
         self.engine_version = -1  # the actor step whose weights the rollout engines hold (or are loading)
         self.filtered = 0         # dynamic sampling: finished groups filtered out since the last step
+        self.taken: list[Group] = []  # the last step's groups (back to the buffer if that step is given up)
 
     # ---- admission and chunks --------------------------------------------------------------------
     def room(self) -> int:

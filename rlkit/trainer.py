@@ -224,13 +224,17 @@ class Trainer(TrainerIO):
         Ctrl-C during ``fit`` gave the step up before its update began)."""
         batch = self.generate()
         if self._stop is not None and self._stop.requested:  # a safe point: nothing trained yet
-            if self.config.off_policy_steps:  # asynchronous RL: the batch stays first in line, trained next
+            if self.config.off_policy_steps or self._stream is not None:  # async: the batch is trained next
                 self._put_back(batch)
             return None
         return self.update(self.estimate(batch))
 
     def _put_back(self, batch: StepBatch) -> None:
-        self._ahead.put_back(batch.step, batch.samples.generated(), batch.prompts, batch.sync)
+        """An untrained batch first in line again: one-step-off's queue, or streaming's buffer (its groups)."""
+        if self._stream is not None:
+            self._stream.buffer[:0], self._stream.taken = self._stream.taken, []
+        else:
+            self._ahead.put_back(batch.step, batch.samples.generated(), batch.prompts, batch.sync)
 
     # ---- one step, in three calls (a notebook can run each in its own cell) ------------------------
     def generate(self, prompts: Sequence[dict[str, Any]] | None = None) -> StepBatch:
@@ -317,6 +321,7 @@ class Trainer(TrainerIO):
         w, c, st, t, t_step = self._live_workers(), self.config, self._stream, {}, time.perf_counter()
         P, dropped0 = c.prompts_per_step, st.dropped_stale
         self._stream_sync(w, t)
+        st.drop_stale(self.step, c.max_staleness)  # groups that grew too old waiting in the buffer
         while len(st.buffer) < P:
             if not st.inflight:
                 self._stream_launch(w)
@@ -327,6 +332,7 @@ class Trainer(TrainerIO):
             with _timer(t, "wait_generate"):
                 out = future.result(c.timeout_s) if hasattr(future, "result") else future
             done = st.merge(out["tokens"], out["logprobs"], out["reason"], version, live)
+            t["generate"] = t.get("generate", 0.0) + sum(out["seconds"])  # the engines' own, overlapped
             if done:
                 with _timer(t, "reward"):
                     scores = self._score(group_batch(done, self.layout, self._pad_id, self.tokenizer))
@@ -345,7 +351,7 @@ class Trainer(TrainerIO):
             self._stream_sync(w, t)
             if len(st.buffer) < P:
                 self._stream_launch(w)  # this lane's next chunk, queued behind the other lane's
-        groups = st.take(P)
+        groups = st.taken = st.take(P)
         samples = group_batch(groups, self.layout, self._pad_id, self.tokenizer)
         rewards = torch.cat([g.rewards for g in groups])
         crossed = torch.tensor([len(set(s.versions)) > 1 for g in groups for s in g.samples]).float().mean().item()

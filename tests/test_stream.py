@@ -10,7 +10,8 @@ prompts are saturated (every sample gets reward 1: dynamic sampling filters them
 - no trained token is more than ``max_staleness`` versions old, and the groups that would be are dropped
   and counted;
 - nothing lost or repeated: every admitted group is trained once, dropped, filtered, or still in the stream;
-- a run saved mid-stream (samples running, a chunk in flight) resumes exactly.
+- a run saved mid-stream (samples running, a chunk in flight) resumes exactly;
+- with ``partial_rollouts=False`` a sample started after the switch never crosses an update.
 """
 
 from __future__ import annotations
@@ -103,6 +104,23 @@ def test_streamed_tokens_carry_their_version_and_log_prob_within_the_bound_and_r
         assert len(trained) == len(df) * P * N
         assert trained.groupby("step")["prompt"].nunique().tolist() == [P] * len(df)
         assert trained.drop_duplicates(["step", "prompt"])["prompt"].is_unique  # no prompt trained twice
+        # partial_rollouts=False: from here the weights wait until no sample runs, so a sample started after
+        # the switch never crosses an update
+        tr.config.partial_rollouts, switched, late = False, tr.step, 0
+        for _ in range(3):
+            b = tr.generate()
+            tr.update(tr.estimate(b))
+            v, mask = b.samples.token_version, b.samples.response_mask.bool()
+            first, last = v.masked_fill(~mask, 10**6).min(1).values, v.masked_fill(~mask, -1).max(1).values
+            assert torch.equal(first[first >= switched], last[first >= switched])
+            late += int((first >= switched).sum())
+        assert late > 0
+        # a step given up before its update (Ctrl-C in fit) puts its groups back: the next step trains them
+        given_up = tr.generate()
+        tr._put_back(given_up)
+        again_taken = tr.generate()
+        assert [g["prompt"] for g in again_taken.prompts] == [g["prompt"] for g in given_up.prompts]
+        assert torch.equal(again_taken.samples.input_ids, given_up.samples.input_ids)
     finally:
         tr.close()
     again = Trainer.load(tmp_path / "ckpt", dataset=ROWS, reward=reward, run_dir=str(tmp_path / "resumed"),

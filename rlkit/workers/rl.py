@@ -315,8 +315,11 @@ class RolloutWorker:
         to ``max_new_tokens`` tokens, one sample each, drawn from its own ``seed``; per prefix the new tokens,
         their log-probs and why it stopped ("stop", or "length": the chunk ran out)."""
         cfg = self.engine.config.with_overrides(n=1, max_new_tokens=max_new_tokens)
+        t0 = time.perf_counter()
         tokens, logprobs, reasons = self.engine.generate_ids(request["prefix"], cfg, request["seed"])
-        return {"tokens": tokens, "logprobs": logprobs, "reason": reasons}
+        seconds = time.perf_counter() - t0  # per sample, its share of the call: they sum to the engine's time
+        return {"tokens": tokens, "logprobs": logprobs, "reason": reasons,
+                "seconds": [seconds / len(tokens)] * len(tokens)}
 
     def join_weight_channel(self, ip: str, port: int, size: int, timeout_s: float) -> None:
         """This worker's end of the weight channel from the actor's rank 0 (``RLWorker.host_weight_channel``)."""
