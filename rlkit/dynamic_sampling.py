@@ -95,6 +95,16 @@ class Backfill:
         self._prompts += [prompts[u] for u in keep]
         self._parts.append((samples.take(rows), rewards[rows], [new_uid[samples.uid[i]] for i in rows]))
 
+    def offer(self, prompts: list[dict[str, Any]], samples: Batch, rewards: torch.Tensor,
+              step: int) -> tuple[list[dict[str, Any]], Batch, torch.Tensor] | None:
+        """``add`` a round; the step's prompts, samples and rewards once full (``result``), else None (a
+        ``SamplingError`` when the rounds are spent: ``check``)."""
+        self.add(prompts, samples, rewards)
+        if self.full:
+            return self.result()
+        self.check(step)
+        return None
+
     def check(self, step: int) -> None:
         """A ``SamplingError`` when the rounds are spent and the batch is not full."""
         if not self.full and self.rounds >= self.max_rounds:

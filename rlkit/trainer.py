@@ -256,7 +256,8 @@ class Trainer(TrainerIO):
                         else dict(self._render([r])[0], _row=r["_row"]) for r in rows]
         with _timer(t, "sync"):
             sync = w.sync_weights()
-        backfill, rnd = self._backfill(), self.rounds  # the rounds this step takes count once it trains (update)
+        # the dataset's rounds this step takes count once it trains (update); rows of your own take none
+        backfill, rnd = (self._backfill(), self.rounds) if prompts is None else (None, None)
         while True:
             if prompts is None:
                 rows, seed, rnd = self._prompts_of(rnd), self._round_seed(rnd), rnd + 1
@@ -266,16 +267,12 @@ class Trainer(TrainerIO):
                 samples = w.generate(rows, seed=seed, policy_version=self.step)
             with _timer(t, "reward"):
                 given = self._score(samples)  # NaN: no reward
-            if backfill is None or prompts is not None:
+            full = (rows, samples, given) if backfill is None else backfill.offer(rows, samples, given, self.step)
+            if full is not None:
+                rows, samples, given = full
                 break
-            backfill.add(rows, samples, given)
-            if backfill.full:
-                rows, samples, given = backfill.result()
-                break
-            backfill.check(self.step)
         return StepBatch(step=self.step, prompts=rows, samples=samples, rewards=given, timings=t, sync=sync,
-                         started=t_step, sampling=backfill.metrics() if backfill and prompts is None else {},
-                         next_round=rnd if prompts is None else None)
+                         started=t_step, sampling=backfill.metrics() if backfill else {}, next_round=rnd)
 
     def _generate_ahead(self) -> StepBatch:
         """Asynchronous RL (``off_policy_steps = k > 0``, split placement): this step's batch, sampled while
@@ -298,13 +295,10 @@ class Trainer(TrainerIO):
                 given = self._score(samples)
             t["generate"] = t.get("generate", 0.0) + float(samples.timing or 0.0)  # the engines' own, overlapped
             rows = entry.pending.prompts
-            if backfill is None:
+            full = (rows, samples, given) if backfill is None else backfill.offer(rows, samples, given, self.step)
+            if full is not None:
+                rows, samples, given = full
                 break
-            backfill.add(rows, samples, given)
-            if backfill.full:
-                rows, samples, given = backfill.result()
-                break
-            backfill.check(self.step)
         return StepBatch(step=self.step, prompts=rows, samples=samples, rewards=given, timings=t,
                          sync=sync.result(self.config.timeout_s), started=t_step,
                          sampling=backfill.metrics() if backfill else {})
