@@ -583,6 +583,8 @@ class Trainer(TrainerIO):
         rows = rows[:len(rows) - len(rows) % self.plan.dp] or rows
         overrides = {"n": 1, **({"temperature": 0.0} if greedy else {})}
         self.workers.sync_weights()
+        if self._stream is not None:  # the chunks launched from here sample with these weights (their version)
+            self._stream.engine_version = self.step
         samples = self.workers.generate(rows, seed=10**6 + self.step, policy_version=self.step, **overrides)
         scores = self._score(samples)
         ok = torch.isfinite(scores)
