@@ -109,9 +109,6 @@ class Stream:
             samples = [Sample(list(ids), seed=(key * 1_000_003 + j) % 2**31) for j in range(self.n)]
             self.running.append(Group(key, row, samples, version))
 
-    def _live(self) -> list[Sample]:
-        return [s for g in self.running for s in g.samples if s.finish is None]
-
     def idle_lanes(self) -> list[int]:
         """The lanes with no chunk in flight."""
         busy = {entry[3] for entry in self.inflight}
@@ -131,7 +128,7 @@ class Stream:
         """A chunk's result for ``samples`` (default: the running ones, as ``request`` listed them), sampled
         under ``version``; returns the groups it finished (also appended to the buffer), in admission order.
         A sample ends at a stop ("stop") or at ``max_new_tokens`` ("length"; tokens past it are dropped)."""
-        samples = self._live() if samples is None else samples
+        samples = self.request()[2] if samples is None else samples
         for s, toks, lps, why in zip(samples, tokens, logprobs, reasons, strict=True):
             room = self.max_new_tokens - len(s.tokens)
             cut = len(toks) > room
