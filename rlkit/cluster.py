@@ -105,6 +105,27 @@ def _quiet_ray_start() -> Iterator[None]:
         auth_log.setLevel(level)
 
 
+def _start_embedded(*, num_cpus: int, num_gpus: int | None, namespace: str, tries: int = 2) -> None:
+    """``ray.init`` of a new local instance. Ray gives its raylet a fixed 30 s to register and raises a
+    bare ``Exception`` ("timed out during startup") past it, which a loaded machine can hit (measured:
+    a 2-core runner with two test lanes busy); such a start is torn down and tried once more."""
+    import ray
+
+    for attempt in range(1, tries + 1):
+        try:
+            with _quiet_ray_start():
+                ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                         _node_ip_address="127.0.0.1", namespace=namespace, logging_level="WARNING")
+            return
+        except Exception as e:  # Ray's start-up failures are plain Exception / RuntimeError
+            ray.shutdown()      # the half-started processes of this attempt
+            if attempt == tries:
+                raise ClusterError(f"the embedded Ray did not start ({tries} tries): {str(e).splitlines()[0]} "
+                                   "-- the machine may be overloaded; close other Ray sessions or retry") from e
+            warnings.warn(f"the embedded Ray did not start ({str(e).splitlines()[0]}); trying once more",
+                          stacklevel=3)
+
+
 class Cluster:
     """A Ray cluster: embedded on this machine, or an existing one reached by address.
 
@@ -173,10 +194,7 @@ class Cluster:
             self.mode = "embedded"
             # address="local": always a new embedded instance, never the `ray start` head that may be
             # running on this machine (ray.init() alone would join it and reject num_cpus)
-            with _quiet_ray_start():
-                ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), num_gpus=num_gpus,
-                         include_dashboard=False, _node_ip_address="127.0.0.1", namespace=namespace,
-                         logging_level="WARNING")
+            _start_embedded(num_cpus=num_cpus or os.cpu_count(), num_gpus=num_gpus, namespace=namespace)
             self._owns = True
         else:
             self.mode = "remote"
