@@ -62,6 +62,7 @@ class TrainerConfig:
     partial_rollouts: bool = True        # streaming: new weights land mid-sample (False: once no sample runs)
     stream_chunk_tokens: int = 8         # streaming: tokens each running sample takes per generation call
     stream_groups: int | None = None     # streaming: running + buffered groups at most (None: 2 x prompts_per_step)
+    stream_stale_kv: bool = False        # streaming: a running sample keeps its keys/values across weight updates
     dynamic_sampling: bool = False       # DAPO: drop groups whose rewards are all equal, generate more (rlkit.dynamic_sampling)
     max_sampling_rounds: int = 8         # dynamic sampling: generation rounds per step at most (1 = no backfill)
     overlong_buffer: int = 0             # DAPO's soft overlong penalty over the last tokens before max_new_tokens (0: off)
@@ -162,6 +163,11 @@ class TrainerConfig:
         boolean("partial_rollouts", self.partial_rollouts, **err)
         integer("stream_chunk_tokens", self.stream_chunk_tokens,
                 hint="tokens per running sample between weight updates, e.g. 8 or 32", **err)
+        boolean("stream_stale_kv", self.stream_stale_kv, **err)
+        if self.stream_stale_kv and not (self.streaming and self.partial_rollouts):
+            raise TrainerError("stream_stale_kv=True keeps a running sample's keys and values when new weights land "
+                               "mid-sample: it needs streaming=True and partial_rollouts=True (now streaming="
+                               f"{self.streaming}, partial_rollouts={self.partial_rollouts}); or stream_stale_kv=False")
         integer("stream_groups", self.stream_groups, none_ok=True,
                 hint="running + buffered groups, at least prompts_per_step, e.g. 2 x prompts_per_step", **err)
         if self.stream_groups is not None and self.stream_groups < self.prompts_per_step:

@@ -1,9 +1,12 @@
 """Streaming RL with partial rollouts (``TrainerConfig(streaming=True)``, split placement).
 
 The rollout workers never generate whole batches. They advance every running sample by a chunk of
-``stream_chunk_tokens`` tokens per call, continuing each from its prefix (its prompt and its tokens so far,
-prefilled again), and the driver keeps the samples between chunks: their tokens, the engine's log-prob of
-each, and the policy version that sampled each. So:
+``stream_chunk_tokens`` tokens per call, continuing each from its prefix (its prompt and its tokens so far),
+and the driver keeps the samples between chunks: their tokens, the engine's log-prob of each, and the policy
+version that sampled each. The HF engine keeps each running sample's keys and values between its chunks
+(``HFEngine.continue_ids``), so a prefix is prefilled only when new weights have landed since its last
+chunk; with ``stream_stale_kv=True`` not even then (the sample goes on over keys and values of older
+weights, as PipelineRL's in-flight updates do; the log-probs kept are still the engine's own). So:
 
 - **streaming**: a group (the ``Rollout.n`` samples of a prompt) goes to the buffer when its last sample
   ends; a step trains as soon as the buffer holds ``prompts_per_step`` groups, never waiting for the
@@ -21,15 +24,18 @@ The groups take turns in two lanes: while one lane's chunk is merged in the driv
 the rollout workers always have a chunk queued; both are in flight while the actor trains (launched before
 ``Trainer.update``), and the weights of that update land right after them. Every decision here (admission, which chunk the weights land before, which
 groups a step takes) depends on token counts, never on timing: a run is reproducible, and ``save`` /
-``Trainer.load`` resume it exactly (the running samples, the buffer and the chunk in flight are kept).
+``Trainer.load`` resume it exactly (the running samples, the buffer and the chunk in flight are kept; the
+engines' kept keys and values are not, and need not be: new weights land right after the chunks in flight,
+which empties them in the uninterrupted run too). With ``stream_stale_kv=True`` they would outlive that
+update, so a resumed run prefills its running samples under the loaded weights: the same samples and
+tokens so far, but not the same next tokens as the uninterrupted run.
 
 >>> s = Stream(n=2, max_new_tokens=4, chunk_tokens=2, capacity=2)
 >>> s.admit([{"prompt": "ab", "_row": 0}], [[5, 6]], version=0)
->>> prefixes, seeds, _ = s.request()
->>> prefixes
+>>> s.request()[0]["prefix"]
 [[5, 6], [5, 6]]
 >>> done = s.merge([[7, 1], [8, 9]], [[-0.1, -0.2], [-0.3, -0.4]], ["stop", "length"], version=0)
->>> done, s.request()[0]                    # sample 1 ended; sample 2 goes on from its prefix
+>>> done, s.request()[0]["prefix"]          # sample 1 ended; sample 2 goes on from its prefix
 ([], [[5, 6, 8, 9]])
 >>> [g.row["prompt"] for g in s.merge([[3, 4]], [[-0.5, -0.6]], ["length"], version=1)]
 ['ab']
@@ -114,21 +120,23 @@ class Stream:
         busy = {entry[3] for entry in self.inflight}
         return [lane for lane in range(self.lanes) if lane not in busy]
 
-    def request(self, lane: int | None = None) -> tuple[list[list[int]], list[int], list[Sample]]:
-        """The next chunk of ``lane`` (None: all): its running samples' prefixes (prompt + tokens so far) and
-        their seeds for this chunk."""
+    def request(self, lane: int | None = None) -> tuple[dict[str, list], list[Sample]]:
+        """The next chunk of ``lane`` (None: all): the request for its running samples (``RolloutWorker.
+        continue_samples``: each one's ``prefix``, prompt + tokens so far, its ``seed`` for this chunk, its
+        ``key`` across chunks and the ``room`` it has left before ``max_new_tokens``), and those samples."""
         live = [s for g in self.running if lane is None or g.key % self.lanes == lane for s in g.samples
                 if s.finish is None]
-        prefixes = [s.prompt_ids + s.tokens for s in live]
-        seeds = [(s.seed * 7919 + len(s.tokens)) % 2**31 for s in live]
-        return prefixes, seeds, live
+        return {"prefix": [s.prompt_ids + s.tokens for s in live],
+                "seed": [(s.seed * 7919 + len(s.tokens)) % 2**31 for s in live],
+                "key": [s.seed for s in live],
+                "room": [self.max_new_tokens - len(s.tokens) for s in live]}, live
 
     def merge(self, tokens: list[list[int]], logprobs: list[list[float]], reasons: list[str],
               version: int, samples: list[Sample] | None = None) -> list[Group]:
         """A chunk's result for ``samples`` (default: the running ones, as ``request`` listed them), sampled
         under ``version``; returns the groups it finished (also appended to the buffer), in admission order.
         A sample ends at a stop ("stop") or at ``max_new_tokens`` ("length"; tokens past it are dropped)."""
-        samples = self.request()[2] if samples is None else samples
+        samples = self.request()[1] if samples is None else samples
         for s, toks, lps, why in zip(samples, tokens, logprobs, reasons, strict=True):
             room = self.max_new_tokens - len(s.tokens)
             cut = len(toks) > room

@@ -314,6 +314,7 @@ class Trainer(TrainerIO):
 
         w, c, st, t, t_step = self._live_workers(), self.config, self._stream, {}, time.perf_counter()
         P, dropped0 = c.prompts_per_step, st.dropped_stale
+        reuse = [0, 0]  # history tokens (each prefix but its last) whose keys the engines kept; all of them
         self._stream_sync(w, t)
         st.drop_stale(self.step, c.max_staleness)  # groups that grew too old waiting in the buffer
         while len(st.buffer) < P:
@@ -327,6 +328,8 @@ class Trainer(TrainerIO):
                 out = future.result(c.timeout_s) if hasattr(future, "result") else future
             done = st.merge(out["tokens"], out["logprobs"], out["reason"], version, live)
             t["generate"] = t.get("generate", 0.0) + sum(out["seconds"])  # the engines' own, overlapped
+            reuse[0] += sum(out["reused"])
+            reuse[1] += sum(out["history"])
             if done:
                 with _timer(t, "reward"):
                     scores = self._score(group_batch(done, self.layout, self._pad_id, self.tokenizer))
@@ -350,7 +353,8 @@ class Trainer(TrainerIO):
         rewards = torch.cat([g.rewards for g in groups])
         crossed = torch.tensor([len(set(s.versions)) > 1 for g in groups for s in g.samples]).float().mean().item()
         sampling = {"stream/buffer_groups": float(len(st.buffer) + P), "stream/running_groups": float(len(st.running)),
-                    "stream/dropped_stale": float(st.dropped_stale - dropped0), "stream/crossed_share": crossed}
+                    "stream/dropped_stale": float(st.dropped_stale - dropped0), "stream/crossed_share": crossed,
+                    "stream/kv_reused_share": reuse[0] / max(reuse[1], 1)}
         if c.dynamic_sampling:
             sampling["dynamic/filtered_groups"], st.filtered = float(st.filtered), 0
         self._stream_launch(w)  # the next chunks run while this batch trains
@@ -390,10 +394,10 @@ class Trainer(TrainerIO):
             rows = self._prompts_of(rnd)
             st.admit(rows, tokenize_prompts([r["prompt"] for r in rows], self.tokenizer), version=st.engine_version)
         for lane in st.idle_lanes():
-            prefixes, seeds, live = st.request(lane)
+            request, live = st.request(lane)
             if live:
-                st.inflight.append((w.continue_async(prefixes, seeds, c.stream_chunk_tokens), live, st.engine_version,
-                                    lane))
+                st.inflight.append((w.continue_async(request, c.stream_chunk_tokens, c.stream_stale_kv), live,
+                                    st.engine_version, lane))
 
     def _backfill(self):
         """Dynamic sampling's gatherer for this step (None when it is off)."""

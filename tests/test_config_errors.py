@@ -68,6 +68,9 @@ TRAINER_CONFIG_BAD = {
     "max_staleness": [(-1, "max_staleness=-1 must be an integer >= 0"), (1.5, "max_staleness=1.5")],
     "partial_rollouts": [(0, "partial_rollouts=0 must be True or False")],
     "stream_chunk_tokens": [(0, "stream_chunk_tokens=0 must be a positive integer")],
+    "stream_stale_kv": [("yes", "stream_stale_kv='yes' must be True or False"),
+                        (True, "stream_stale_kv=True keeps a running sample's keys and values when new weights land "
+                               "mid-sample: it needs streaming=True and partial_rollouts=True")],
     "stream_groups": [(4, "stream_groups=4 < prompts_per_step=8"), (0, "stream_groups=0 must be a positive integer")],
     "dynamic_sampling": [("yes", "dynamic_sampling='yes' must be True or False")],
     "max_sampling_rounds": [(0, "max_sampling_rounds=0 must be a positive integer; the generation rounds")],

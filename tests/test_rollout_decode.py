@@ -249,3 +249,94 @@ def test_noise_blocks_are_the_per_step_draws():
         s.NOISE_BYTES = steps_per_block * 8 * 300 * 3
         picks.append(torch.stack([s.pick(x) for x in logits]))
     assert torch.equal(picks[0], picks[1]) and torch.equal(picks[0], picks[2])
+
+
+# ---- streaming: samples continued chunk by chunk over kept keys and values ------------------------------
+
+def _grow(rng, n):
+    return [int(t) for t in torch.randint(3, 200, (n,), generator=rng)]
+
+
+def test_continued_chunks_over_kept_keys_sample_what_a_fresh_prefill_samples(models):
+    """Each chunk twice, the same seeds: an engine that keeps the samples' keys and values, and one whose store
+    is emptied before every call (each prefix prefilled again). Same tokens, log-probs within LP_TOL; the kept
+    tokens are the ones the test expects: a sample continued from its own last call keeps all its prefix but
+    the last token, a new one or one whose prefix was changed keeps none; new weights empty the store."""
+    model, tok = models["qwen2"]
+    cfg = HFEngine(model, tok).config.with_overrides(n=1, max_new_tokens=5, temperature=1.0)
+    kept, fresh = HFEngine(model, tok), HFEngine(model, tok)
+    rng = torch.Generator().manual_seed(0)
+    prefixes = {k: _grow(rng, 1 + k % 7) for k in range(8)}  # lengths 1..7: a one-token prompt included
+    continued = set()  # keys whose last call returned "length": their store entry covers prefix[:-1]
+    for call in range(6):
+        keys = [k for k in sorted(prefixes) if (k + call) % 3]  # not every sample in every call (lanes)
+        if call == 3:  # a new sample, and one whose prefix the test changes (its entry no longer fits)
+            prefixes[100] = _grow(rng, 6)
+            prefixes[keys[0]] = prefixes[keys[0]] + [7]
+            continued.discard(keys[0])
+            keys += [100]
+        pre, seeds = [prefixes[k] for k in keys], [1000 * call + k for k in keys]
+        fresh.kv.new_weights()
+        a = kept.continue_ids(pre, cfg, seeds, keys)
+        b = fresh.continue_ids(pre, cfg, seeds, keys)
+        assert a[0] == b[0] and a[2] == b[2] and kept.last_decode == "lean"
+        assert max(abs(x - y) for la, lb in zip(a[1], b[1]) for x, y in zip(la, lb)) <= LP_TOL
+        assert a[3] == [len(p) - 1 if k in continued else 0 for k, p in zip(keys, pre)]
+        assert b[3] == [0] * len(keys)
+        for k, toks, why in zip(keys, a[0], a[2]):
+            prefixes[k] = prefixes[k] + toks
+            (continued.add if why == "length" else continued.discard)(k)
+            if why == "stop":
+                del prefixes[k]
+    assert kept.kv.reused > 20 and set(kept.kv.entries) == continued
+    kept.load_weights(model.state_dict())  # new weights: nothing kept
+    assert kept.kv.entries == {}
+
+
+def test_room_ends_a_sample_in_the_store_and_the_store_is_bounded(models):
+    model, tok = models["qwen2"]
+    eng = HFEngine(model, tok)
+    cfg = eng.config.with_overrides(n=1, max_new_tokens=4, temperature=1.0, ignore_eos=True)
+    eng.continue_ids([[5, 6, 7], [8, 9]], cfg, [1, 2], ["a", "b"], room=[4, 9])
+    assert set(eng.kv.entries) == {"b"}  # "a" took its last 4 tokens: nothing to continue
+    one = eng.kv.nbytes
+    eng.kv.limit_bytes = one + 1
+    eng.continue_ids([[5, 6, 7]], cfg, [3], ["c"])
+    assert set(eng.kv.entries) == {"c"}  # the oldest went (the newest stays, whatever its size)
+    assert eng.kv.nbytes == sum(k.nbytes + v.nbytes for k, v in eng.kv.entries["c"][1])
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_new_weights_mid_sample_prefill_again_or_go_on_over_stale_keys(stale):
+    """A sample's first chunk under weights A, its second after weights B loaded. Reference from transformers'
+    own cache: with ``stale_kv`` the second chunk's first token is scored by B over the keys and values A
+    computed for the history (``past_key_values`` of A's forward); without, by B over the whole prefix."""
+    model, tok = load(tiny_lm("qwen2", size="test"))  # a private copy: the weights change
+    a_state = {k: v.clone() for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    b_state = {k: v + 0.3 * torch.randn(v.shape, generator=g) * v.std().clamp_min(1e-3) if v.is_floating_point()
+               else v for k, v in a_state.items()}
+    eng = HFEngine(model, tok)
+    cfg = eng.config.with_overrides(n=1, max_new_tokens=3, temperature=1.0, ignore_eos=True)
+    prompt = [5, 17, 42, 9]
+    first = eng.continue_ids([prompt], cfg, [7], ["s"], stale_kv=stale)
+    eng.load_weights(b_state)
+    prefix = prompt + first[0][0]
+    second = eng.continue_ids([prefix], cfg, [8], ["s"], stale_kv=stale)
+    assert second[3] == [len(prefix) - 1 if stale else 0]
+    ref_a, ref_b = (AutoModelForCausalLM.from_config(model.config).eval() for _ in range(2))
+    ref_a.load_state_dict(a_state)
+    ref_b.load_state_dict(b_state)
+    ids = torch.tensor([prefix])
+    with torch.no_grad():
+        if stale:
+            past = ref_a(ids[:, :-1], use_cache=True).past_key_values
+            logits = ref_b(ids[:, -1:], cache=past, use_cache=True).logits[0, -1]
+        else:
+            logits = ref_b(ids).logits[0, -1]
+        whole_b = ref_b(ids).logits[0, -1]
+    tok0 = second[0][0][0]
+    expected = torch.log_softmax(logits.float(), -1)[tok0].item()
+    assert abs(second[1][0][0] - expected) <= LP_TOL
+    if stale:  # the check can fail: B over the whole prefix scores the token otherwise
+        assert abs(torch.log_softmax(whole_b.float(), -1)[tok0].item() - expected) > 100 * LP_TOL

@@ -11,7 +11,8 @@ prompts are saturated (every sample gets reward 1: dynamic sampling filters them
   and counted;
 - nothing lost or repeated: every admitted group is trained once, dropped, filtered, or still in the stream;
 - a run saved mid-stream (samples running, a chunk in flight) resumes exactly;
-- with ``partial_rollouts=False`` a sample started after the switch never crosses an update.
+- with ``partial_rollouts=False`` a sample started after the switch never crosses an update;
+- with ``stream_stale_kv=True`` a sample that crossed an update went on over its older keys and values.
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ def test_streamed_tokens_carry_their_version_and_log_prob_within_the_bound_and_r
         assert len(axes["samples by versions behind (share)"].collections) == len(lags)
         assert list(axes["samples across an update (share)"].lines[0].get_ydata()) == df["stream/crossed_share"].tolist()
         assert df["stream/dropped_stale"].sum() > 0  # the long groups that crossed too many updates
+        # chunks under unchanged weights went on over kept keys and values (the log-probs above hold for them)
+        assert df["stream/kv_reused_share"].max() > 0.1
         tr.save(tmp_path / "ckpt")
         st = tr._stream
         assert st.running and st.inflight  # saved mid-stream: samples running, chunks in flight
@@ -132,6 +135,46 @@ def test_streamed_tokens_carry_their_version_and_log_prob_within_the_bound_and_r
             assert resumed[col].tolist() == rest[col].tolist(), col
     finally:
         again.close()
+
+
+@pytest.mark.ray
+def test_stale_keys_and_values_carry_a_sample_across_updates(tmp_path, ray_cluster):
+    """``stream_stale_kv=True``: a sample that crosses an update goes on over the keys and values its earlier
+    chunks computed (no prefill under the new weights). A sample that never crossed one scores every token
+    as its version's weights do (within 1e-4); one that crossed scores its later tokens otherwise (its
+    history's keys are older), and the engines report the kept history tokens."""
+    from transformers import AutoModelForCausalLM
+
+    tr = Trainer(model=tiny_lm("qwen2", size="small"), dataset=ROWS, reward=reward, algorithm="grpo",
+                 rollout=rlkit.Rollout(engine="hf", n=N, max_new_tokens=NEW, script=SCRIPT), prompts_per_step=P,
+                 lr=2e-2, seed=0, placement="split", cluster=ray_cluster, streaming=True, max_staleness=4,
+                 stream_chunk_tokens=CHUNK, stream_stale_kv=True, offpolicy_correction="tis",
+                 run_dir=str(tmp_path / "stale"))
+    model = AutoModelForCausalLM.from_pretrained(tr.model_path, dtype=torch.float32)
+    try:
+        weights, batches = {0: tr.workers.full_weights()}, []
+        for _ in range(4):
+            batch = tr.generate()
+            batches.append(batch)
+            tr.update(tr.estimate(batch))
+            weights[tr.step] = tr.workers.full_weights()
+        same_gap, crossed_gap = 0.0, 0.0
+        for b in batches:
+            s, mask = b.samples, b.samples.response_mask.bool()
+            versions = s.token_version
+            expected = torch.zeros_like(s.rollout_logprobs)
+            for v in versions[mask].unique().tolist():
+                model.load_state_dict(weights[v])
+                expected = torch.where(versions == v, layout_logprobs(model, s, tr.layout.prompt_len), expected)
+            gap = (expected - s.rollout_logprobs).abs().masked_fill(~mask, 0)
+            crossed = torch.where(mask, versions, -1).max(1).values > s.policy_version
+            same_gap = max(same_gap, gap[~crossed].max().item())
+            crossed_gap = max(crossed_gap, gap[crossed].max().item() if crossed.any() else 0.0)
+        assert same_gap <= 1e-4
+        assert crossed_gap > 1e-3
+        assert (tr.metrics["stream/kv_reused_share"].iloc[1:] > 0).all()
+    finally:
+        tr.close()
 
 
 def test_bad_streaming_settings_fail_in_the_driver(tmp_path):

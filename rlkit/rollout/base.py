@@ -275,6 +275,16 @@ class RolloutEngine(ABC):
         ``generate`` wraps it for prompts as text or chat, and multi-turn episodes (``rlkit.agent``) call it for
         each turn's continuation."""
 
+    def continue_ids(self, prefixes: list[list[int]], cfg: Rollout, seeds: list[int], keys: list[Any],
+                     room: list[int] | None = None, stale_kv: bool = False
+                     ) -> tuple[list[list[int]], list[list[float]], list[str], list[int]]:
+        """Streaming (``rlkit.stream``): one continuation (``cfg.n == 1``) of each token-id prefix, as
+        ``generate_ids``, and per prefix how many of its tokens were not prefilled again. ``keys[i]`` names
+        prefix i's sample across calls and ``room[i]`` the tokens it may still take, so an engine may keep
+        its keys and values between chunks (``HFEngine`` does: while the weights stay, or across loads with
+        ``stale_kv``); by default each prefix is prefilled again."""
+        return (*self.generate_ids(prefixes, cfg, seeds), [0] * len(prefixes))
+
     @abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Copy new weights (HF checkpoint names) into the engine; returns {"bytes", "seconds", "tensors"}."""

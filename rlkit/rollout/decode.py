@@ -161,7 +161,8 @@ def key_bias(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class _Step:
     """Forward passes over new tokens with a preallocated KV cache, for one ``decode`` call."""
 
-    def __init__(self, model: nn.Module, batch: int, length: int, valid: torch.Tensor, positions: torch.Tensor):
+    def __init__(self, model: nn.Module, batch: int, length: int, valid: torch.Tensor, positions: torch.Tensor,
+                 alloc: Callable[..., torch.Tensor] = torch.empty):
         self.layers = [_Layer.of(layer) for layer in model.model.layers]
         self.embed, self.norm = model.model.embed_tokens.weight, (model.model.norm.weight,
                                                                    model.model.norm.variance_epsilon)
@@ -172,7 +173,8 @@ class _Step:
         self.eager = (getattr(model.config, "_attn_implementation", None) or "eager") == "eager"
         shape, like = (batch, self.kv_heads, length, self.head_dim), dict(dtype=self.embed.dtype,
                                                                           device=self.embed.device)
-        self.cache = [(torch.empty(shape, **like), torch.empty(shape, **like)) for _ in self.layers]
+        # torch.zeros where some slots are never written (a cached history's padding): masked keys must be finite
+        self.cache = [(alloc(shape, **like), alloc(shape, **like)) for _ in self.layers]
         # rotary for every position of the call at once: (B, 1, L, d), broadcast over heads
         cos, sin = model.model.rotary_emb(self.embed[:1], positions)
         half = sin.shape[-1] // 2
@@ -256,6 +258,16 @@ def decode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
     causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
     mask = (causal & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)
     logits = step(ids, 0, key_bias(mask[:, None], step.embed.dtype))
+    return _sample(step, logits, P, max_new_tokens, pick, end_ids, pad_id, stop, temperature)
+
+
+def _sample(step: _Step, logits: torch.Tensor, slot: int, max_new_tokens: int,
+            pick: Callable[[torch.Tensor], torch.Tensor], end_ids: Sequence[int], pad_id: int,
+            stop: Callable[[torch.Tensor], torch.Tensor] | None, temperature: float
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampling loop of ``decode`` from the first new token's ``logits``: each drawn token is fed at cache
+    ``slot``, ``slot + 1`` ... (the last one drawn is never fed)."""
+    B, device = logits.shape[0], logits.device
     ends = torch.tensor(list(end_ids), dtype=torch.long, device=device)
     unfinished = torch.ones(B, dtype=torch.bool, device=device)
     tokens, logprobs = [], []
@@ -269,5 +281,81 @@ def decode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
             unfinished &= ~stop(torch.stack(tokens, dim=1))
         if t + 1 == max_new_tokens or not bool(unfinished.any()):
             break
-        logits = step(nxt[:, None], P + t, step.bias[..., :P + t + 1])
+        logits = step(nxt[:, None], slot + t, step.bias[..., :slot + t + 1])
     return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)
+
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # one sequence's keys and values per layer, each (kv_heads, S, head_dim)
+
+
+@torch.no_grad()
+def decode_continued(model: nn.Module, prefixes: list[list[int]], past: list[KV | None], max_new_tokens: int,
+                     pick: Callable[[torch.Tensor], torch.Tensor], end_ids: Sequence[int], pad_id: int,
+                     stop: Callable[[torch.Tensor], torch.Tensor] | None = None, temperature: float = 1.0
+                     ) -> tuple[torch.Tensor, torch.Tensor, list[KV]]:
+    """``decode`` of token-id ``prefixes`` that reuses their keys and values from an earlier call (streaming:
+    a sample continued chunk after chunk under the same weights prefills nothing again).
+
+    ``past[i]``: prefix i's keys and values over all its tokens but the last (what the previous call returned
+    for it), or None (prefilled here). Returns the new tokens (B, T) and log-probs (B, T), as ``decode``, and
+    per row the keys and values of every token it fed: the prefix and the new tokens but the last, so the
+    next call's prefix (this one plus the new tokens) has ``past`` over all but its last token.
+
+    The history (each prefix but its last token) is laid out left-padded to one width; rows without ``past``
+    are prefilled over it in their own batch, then every row feeds its last token and samples as ``decode``
+    does. A token's keys and values depend on its position id only (real tokens counted, padding not), so a
+    row's may come from a call with other rows and padding; recomputed they match to float rounding.
+
+    >>> from rlkit.models import tiny_lm, load
+    >>> model, _ = load(tiny_lm("qwen2", size="test"))
+    >>> greedy = lambda x: x.argmax(-1)
+    >>> whole, _ = decode(model, torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long), 6, greedy, [], 0)
+    >>> first, _, kv = decode_continued(model, [[5, 6, 7]], [None], 3, greedy, [], 0)
+    >>> kv[0][0][0].shape[1]                        # keys of the 3 prompt tokens and 2 of 3 new ones
+    5
+    >>> rest, _, _ = decode_continued(model, [[5, 6, 7] + first[0].tolist()], kv, 3, greedy, [], 0)
+    >>> torch.equal(torch.cat([first, rest], 1), whole)
+    True
+    """
+    device = model.model.embed_tokens.weight.device
+    B, lengths = len(prefixes), [len(p) for p in prefixes]
+    if min(lengths) < 1:
+        raise ValueError("decode_continued: every prefix needs at least one token")
+    W = max(lengths) - 1  # history width: all but the last token, left-padded
+    ids = torch.full((B, W + 1), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, W + 1), dtype=torch.long)
+    for i, p in enumerate(prefixes):
+        ids[i, W + 1 - len(p):], mask[i, W + 1 - len(p):] = torch.tensor(p), 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions, valid = positions_and_keys(mask, max_new_tokens)
+    step = _Step(model, B, W + 1 + max_new_tokens, valid, positions, alloc=torch.zeros)
+    for i, kv in enumerate(past):  # the reused history, right-aligned at slots W - (len - 1) .. W - 1
+        if kv is not None:
+            if kv[0][0].shape[1] != lengths[i] - 1:
+                raise ValueError(f"decode_continued: past of row {i} holds {kv[0][0].shape[1]} tokens; its prefix "
+                                 f"has {lengths[i]} (past must cover all but the last)")
+            for (k_cache, v_cache), (k, v) in zip(step.cache, kv):
+                k_cache[i, :, W - k.shape[1]:W], v_cache[i, :, W - v.shape[1]:W] = k, v
+    fresh = [i for i, kv in enumerate(past) if kv is None and lengths[i] > 1]
+    if fresh:  # their history prefilled in a batch of their own, over its last T slots (causal, padding hidden)
+        T = max(lengths[i] for i in fresh) - 1
+        rows = torch.tensor(fresh, device=device)
+        sub = _Step(model, len(fresh), W + 1 + max_new_tokens, valid[rows], positions[rows], alloc=torch.zeros)
+        seen = valid[rows][:, None, :W] & torch.ones(T, W, dtype=torch.bool, device=device).tril(W - T)
+        seen |= _diagonal(T, W, device)
+        sub(ids[rows, W - T:W], W - T, key_bias(seen[:, None], sub.embed.dtype))
+        for (k_cache, v_cache), (k_sub, v_sub) in zip(step.cache, sub.cache):
+            k_cache[rows, :, W - T:W], v_cache[rows, :, W - T:W] = k_sub[:, :, W - T:W], v_sub[:, :, W - T:W]
+    logits = step(ids[:, W:], W, step.bias[..., :W + 1])  # every row's last prefix token
+    new, logprobs = _sample(step, logits, W + 1, max_new_tokens, pick, end_ids, pad_id, stop, temperature)
+    fed = W + new.shape[1]  # slots written: the history, the last prefix token and the new tokens but the last
+    kv_rows = [[(k[i, :, W + 1 - n:fed].clone(), v[i, :, W + 1 - n:fed].clone()) for k, v in step.cache]
+               for i, n in enumerate(lengths)]
+    return new, logprobs, kv_rows
+
+
+def _diagonal(T: int, W: int, device: torch.device) -> torch.Tensor:
+    """(T, W) True where query t (slot W - T + t) meets its own key: every slot sees itself, so the outputs
+    at padding slots stay finite (as ``decode``'s prefill does)."""
+    return torch.eye(T, dtype=torch.bool, device=device) if T == W else torch.cat(
+        [torch.zeros(T, W - T, dtype=torch.bool, device=device), torch.eye(T, dtype=torch.bool, device=device)], 1)

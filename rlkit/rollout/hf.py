@@ -20,6 +20,7 @@ import contextlib
 import gc
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from transformers import (
@@ -32,7 +33,7 @@ from transformers import (
 
 from rlkit.rollout.base import RolloutEngine, left_pad, named_tensor_items
 from rlkit.rollout.config import Rollout, RolloutError
-from rlkit.rollout.decode import decode, token_logprobs, unsupported
+from rlkit.rollout.decode import KV, decode, decode_continued, token_logprobs, unsupported
 
 
 def _as_list(x) -> list[int]:
@@ -188,6 +189,57 @@ def eval_mode(model: torch.nn.Module):
             m.training = True
 
 
+class KVStore:
+    """Streaming's running samples' keys and values between chunks (``HFEngine.continue_ids``), by sample key,
+    each tagged with the weights it was computed under (``gen``, counted by ``new_weights``).
+
+    ``take`` hands an entry out (and forgets it) when it covers the asked length and, unless ``keep_on_load``,
+    comes from the current weights; ``put`` keeps one, dropping the oldest entries past ``limit_bytes``.
+
+    >>> store = KVStore(limit_bytes=10_000)
+    >>> kv = [(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4))]        # one layer, 3 tokens: 192 bytes
+    >>> store.put("a", kv); store.take("a", 3) is kv, store.take("a", 3)
+    (True, None)
+    >>> store.put("a", kv); store.new_weights(); store.take("a", 3)  # computed under older weights
+    >>> store.keep_on_load = True; store.put("a", kv); store.new_weights(); store.take("a", 3) is kv
+    True
+    >>> store.reused, store.stale_reused
+    (6, 3)
+    """
+
+    def __init__(self, limit_bytes: int = 2**30):
+        self.limit_bytes = limit_bytes
+        self.entries: dict[Any, tuple[int, KV, int]] = {}  # key -> (gen, keys and values per layer, bytes)
+        self.gen = 0                # weight loads so far
+        self.keep_on_load = False   # new weights keep the entries (stale keys and values allowed)
+        self.nbytes = 0
+        self.reused = 0             # prefix tokens handed out (not prefilled again), over the store's life
+        self.stale_reused = 0       # of those, computed under older weights
+
+    def take(self, key: Any, length: int) -> KV | None:
+        gen, kv, nbytes = self.entries.pop(key, (None, None, 0))
+        self.nbytes -= nbytes
+        if kv is None or kv[0][0].shape[1] != length or (gen != self.gen and not self.keep_on_load):
+            return None
+        self.reused += length
+        self.stale_reused += length if gen != self.gen else 0
+        return kv
+
+    def put(self, key: Any, kv: KV) -> None:
+        self.take(key, -1)  # an older entry of this key
+        nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
+        self.entries[key] = (self.gen, kv, nbytes)
+        self.nbytes += nbytes
+        while self.nbytes > self.limit_bytes and len(self.entries) > 1:
+            self.take(next(iter(self.entries)), -1)
+
+    def new_weights(self) -> None:
+        self.gen += 1
+        if not self.keep_on_load:
+            self.entries.clear()
+            self.nbytes = 0
+
+
 class HFEngine(RolloutEngine):
     """Rollouts with ``model.generate``; takes a loaded model or a path.
 
@@ -220,6 +272,7 @@ class HFEngine(RolloutEngine):
             model, self.path = model_or_path, None
         self.model = model  # generate() runs it in eval mode and restores its mode afterwards
         self.last_decode = ""  # "lean" or "generate (why)": which loop the last chunk ran
+        self.kv = KVStore()  # streaming (continue_ids): running samples' keys and values between chunks
         self.device = next(model.parameters()).device
         gen = model.generation_config
         self.eos_ids = _as_list(gen.eos_token_id) or _as_list(getattr(tokenizer, "eos_token_id", None))
@@ -242,7 +295,21 @@ class HFEngine(RolloutEngine):
         with eval_mode(self.model):
             return self._generate_chunks(prompts, cfg, seeds)
 
-    def _generate_chunks(self, prompts, cfg, seeds):
+    def continue_ids(self, prefixes, cfg, seeds, keys, room=None, stale_kv=False):
+        """``generate_ids`` of one sample per prefix that keeps each sample's keys and values (``self.kv``) under
+        ``keys[i]`` between calls (the lean loop only): a prefix that extends its key's last call by that call's
+        tokens prefills nothing again. A sample that stops, or whose new tokens reach ``room[i]`` (what it may
+        still take), is dropped from the store. The store empties when weights load, unless this call had
+        ``stale_kv=True``: then a sample goes on over keys and values of older weights (PipelineRL's in-flight
+        updates); its tokens' log-probs are still the ones this engine sampled them with."""
+        if cfg.n != 1:
+            raise RolloutError(f"continue_ids samples one continuation per prefix (n=1), got n={cfg.n}")
+        self.kv.keep_on_load = stale_kv
+        self._reused = [0] * len(prefixes)
+        with eval_mode(self.model):
+            return (*self._generate_chunks(prefixes, cfg, seeds, keys, room), self._reused)
+
+    def _generate_chunks(self, prompts, cfg, seeds, keys=None, room=None):
         temp = cfg.temperature if cfg.temperature > 0 else 1.0
         ends = set(([] if cfg.ignore_eos else self.eos_ids) + list(cfg.stop_token_ids))
         # each prompt repeated n times, adjacent (what num_return_sequences does, but greedy allows it too)
@@ -260,8 +327,17 @@ class HFEngine(RolloutEngine):
                 sampler = _SeededSampling(row_seeds[start:start + chunk], cfg) if cfg.temperature > 0 else None
                 if forced is not None:
                     sampler = _Scripted(forced[start:start + chunk], sampler)
-                new, lp = self._decode(ids, mask, cfg, sampler, temp)
-                for row, row_lp in zip(new.tolist(), lp.tolist()):
+                kv = None
+                if keys is None or self._lean(ids, cfg) is not None:
+                    new, lp = self._decode(ids, mask, cfg, sampler, temp)
+                else:
+                    past = [self.kv.take(key, len(p) - 1) for p, key in zip(rows[start:start + chunk],
+                                                                             keys[start:start + chunk])]
+                    self._reused[start:start + chunk] = [0 if kv is None else kv[0][0].shape[1] for kv in past]
+                    self.last_decode = "lean"
+                    new, lp, kv = decode_continued(self.model, rows[start:start + chunk], past, cfg.max_new_tokens,
+                                                   *self._lean_ends(cfg, sampler), temp)
+                for r, (row, row_lp) in enumerate(zip(new.tolist(), lp.tolist())):
                     end, reason = len(row), "length"
                     hit = next((t + 1 for t, tok in enumerate(row) if tok in ends), None)
                     if hit is not None:
@@ -272,25 +348,34 @@ class HFEngine(RolloutEngine):
                     responses.append(row[:end])
                     logprobs.append(row_lp[:end])
                     reasons.append(reason)
+                    if kv is not None and reason == "length" and (room is None or end < room[start + r]):
+                        self.kv.put(keys[start + r], kv[r])  # it goes on next chunk
         return responses, logprobs, reasons
+
+    def _lean(self, ids: torch.Tensor, cfg: Rollout) -> str | None:
+        """Why the lean loop cannot run this chunk (None: it can)."""
+        if cfg.hf_decode == "generate":
+            return "hf_decode='generate'"
+        return unsupported(self.model, ids.shape[1] + cfg.max_new_tokens)
+
+    def _lean_ends(self, cfg: Rollout, sampler: _SeededSampling | _Scripted | None) -> tuple:
+        """The lean loop's ``pick, end_ids, pad_id, stop`` for ``cfg``."""
+        stop = None
+        if cfg.stop:
+            by_text = _StopOnStrings(self.tokenizer, cfg.stop, 0)
+            stop = lambda new: by_text(new, None)  # noqa: E731
+        ends = ([] if cfg.ignore_eos else self.eos_ids) + list(cfg.stop_token_ids)
+        return sampler.pick if sampler is not None else lambda x: x.argmax(-1), ends, self.pad_token_id, stop
 
     def _decode(self, ids: torch.Tensor, mask: torch.Tensor, cfg: Rollout,
                 sampler: _SeededSampling | _Scripted | None,
                 temp: float) -> tuple[torch.Tensor, torch.Tensor]:
         """New tokens (rows, T) and their log-probs at ``temp`` for one left-padded chunk: the lean loop
         when it can stand in for ``generate`` on this model (``decode.unsupported``), else ``generate``."""
-        why = "hf_decode='generate'" if cfg.hf_decode == "generate" else unsupported(
-            self.model, ids.shape[1] + cfg.max_new_tokens)
+        why = self._lean(ids, cfg)
         self.last_decode = "lean" if why is None else f"generate ({why})"
         if why is None:
-            stop = None
-            if cfg.stop:
-                by_text = _StopOnStrings(self.tokenizer, cfg.stop, 0)
-                stop = lambda new: by_text(new, None)  # noqa: E731
-            ends = ([] if cfg.ignore_eos else self.eos_ids) + list(cfg.stop_token_ids)
-            return decode(self.model, ids, mask, cfg.max_new_tokens,
-                          sampler.pick if sampler is not None else lambda x: x.argmax(-1),
-                          ends, self.pad_token_id, stop, temp)
+            return decode(self.model, ids, mask, cfg.max_new_tokens, *self._lean_ends(cfg, sampler), temp)
         stopping = StoppingCriteriaList([_StopOnStrings(self.tokenizer, cfg.stop, ids.shape[1])] if cfg.stop else [])
         out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                   generation_config=self._generation_config(cfg), stopping_criteria=stopping,
@@ -311,6 +396,7 @@ class HFEngine(RolloutEngine):
         True
         """
         t0 = time.perf_counter()
+        self.kv.new_weights()
         state = self.model.state_dict()
         nbytes, count = 0, 0
         for name, t in named_tensor_items(named_tensors):

@@ -310,16 +310,22 @@ class RolloutWorker:
         return generate_batch(self.engine, self.layout, prompts, self.layout.rank_seed(seed, self.dp_rank),
                               agent=self.agent, **overrides)
 
-    def continue_samples(self, request: dict[str, list], max_new_tokens: int) -> dict[str, list]:
+    def continue_samples(self, request: dict[str, list], max_new_tokens: int, stale_kv: bool = False
+                         ) -> dict[str, list]:
         """Streaming (``rlkit.stream``): each prefix (a prompt and its response so far, token ids) continued by up
-        to ``max_new_tokens`` tokens, one sample each, drawn from its own ``seed``; per prefix the new tokens,
+        to ``max_new_tokens`` tokens, one sample each, drawn from its own ``seed`` (``key``: its sample, whose keys
+        and values the engine may keep between chunks, ``room``: the tokens it may still take, ``stale_kv``:
+        kept across weight loads too; ``RolloutEngine.continue_ids``); per prefix the new tokens,
+        the history tokens (all but the last of the prefix) whose keys and values were kept, not prefilled,
         their log-probs and why it stopped ("stop", or "length": the chunk ran out)."""
         cfg = self.engine.config.with_overrides(n=1, max_new_tokens=max_new_tokens)
         t0 = time.perf_counter()
-        tokens, logprobs, reasons = self.engine.generate_ids(request["prefix"], cfg, request["seed"])
+        tokens, logprobs, reasons, reused = self.engine.continue_ids(request["prefix"], cfg, request["seed"],
+                                                                     request["key"], request["room"], stale_kv)
         seconds = time.perf_counter() - t0  # per sample, its share of the call: they sum to the engine's time
         return {"tokens": tokens, "logprobs": logprobs, "reason": reasons,
-                "seconds": [seconds / len(tokens)] * len(tokens)}
+                "seconds": [seconds / len(tokens)] * len(tokens), "reused": reused,
+                "history": [len(p) - 1 for p in request["prefix"]]}
 
     def join_weight_channel(self, ip: str, port: int, size: int, timeout_s: float) -> None:
         """This worker's end of the weight channel from the actor's rank 0 (``RLWorker.host_weight_channel``)."""

@@ -155,11 +155,11 @@ class RLWorkers:
             self._rollout_calls = [f for f in self._rollout_calls if not f.done()] + [future]
         return PendingBatch(self, future, prompts, policy_version)
 
-    def continue_async(self, prefixes: list[list[int]], seeds: list[int], max_new_tokens: int) -> Any:
-        """Streaming: a chunk of every running sample on the rollout workers (``RolloutWorker.continue_samples``,
-        split over them), queued behind what they run; ``.result(timeout)`` is its dict of per-sample lists."""
-        future = self.rollout_group.call_dp_async(RolloutWorker.continue_samples, {"prefix": prefixes, "seed": seeds},
-                                                  max_new_tokens)
+    def continue_async(self, request: dict[str, list], max_new_tokens: int, stale_kv: bool = False) -> Any:
+        """Streaming: a chunk of every running sample on the rollout workers (``RolloutWorker.continue_samples``;
+        ``request``'s per-sample lists split over them), queued behind what they run; ``.result(timeout)`` is its
+        dict of per-sample lists."""
+        future = self.rollout_group.call_dp_async(RolloutWorker.continue_samples, request, max_new_tokens, stale_kv)
         self._rollout_calls = [f for f in self._rollout_calls if not f.done()] + [future]
         return future
 
