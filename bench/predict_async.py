@@ -15,6 +15,10 @@ measurements here and against verl's published Qwen2.5-7B asynchronous runs (iss
     phases" columns: ``estimate_rl_step`` fed verl's published colocated phase times and rlkit's tail.
     "tail needed": the share of the colocated generation that would have to be non-parallel tail for the
     formula to reach the published async step ("-": none does, the trainer's side alone is longer).
+(c) **Streaming here**: bench_stream.py's one-step-off step (rollout-bound: the rollout worker's time per
+    batch) and update, and the workload's length distribution, fed to ``estimate_rl_step(lengths=...,
+    staleness=8)``; its fully async step against the streaming runs' time for one-step-off's work per step
+    (the ratio of trained tokens per second).
 """
 
 from __future__ import annotations
@@ -171,12 +175,51 @@ def table_verl() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+# (c) Streaming, measured here. bench/README.md, section "bench_stream.py": 2026-12-07 01:41-01:50 UTC, 2-core
+# CPU, at 8470071, tiny Qwen2, GRPO, split placement (one core each), 8 prompts x n=4, max_new_tokens 64; medians
+# over 3 rounds. One-step-off is rollout-bound (the trainer waits 0.171 s of its 0.311 s step), so its step is
+# the rollout worker's time per batch.
+STREAM = {"one-step-off": dict(step=0.311, update=0.119, tok_s=1692.9),
+          "streaming": dict(step=0.187, update=0.098, tok_s=2047.4),
+          "streaming, stream_stale_kv": dict(step=0.169, update=0.094, tok_s=2587.0)}
+STREAM_STALENESS = 8
+
+
+def stream_lengths(batches: int = 2000, seed: int = 0) -> list[list[int]]:
+    """The bench's workload as batches of response lengths: 8 of its 100 prompts a step, drawn at random,
+    4 samples each; one prompt in ten is answered at length (taken to run to the 64-token cap), the rest in
+    8 tokens (scripted)."""
+    import random
+
+    rng = random.Random(seed)
+    return [[64 if row % 10 == 0 else 8 for row in rng.sample(range(100), 8) for _ in range(4)]
+            for _ in range(batches)]
+
+
+def table_stream() -> pd.DataFrame:
+    off = STREAM["one-step-off"]
+    r = estimate_rl_step(off["step"], off["update"], devices=2, rollout_devices=1, scaling=0.0,
+                         staleness=STREAM_STALENESS, lengths=stream_lengths())
+    rows = [{"loop": "one-step-off", "measured s": off["step"], "predicted s": r["split_one_step_off_s"],
+             "measured x": 1.0, "predicted x": 1.0}]
+    for name in ("streaming", "streaming, stream_stale_kv"):
+        m = STREAM[name]
+        rows.append({"loop": name, "measured s": off["tok_s"] / m["tok_s"] * off["step"],
+                     "predicted s": r["fully_async_s"], "measured x": m["tok_s"] / off["tok_s"],
+                     "predicted x": r["fully_async_vs_one_step_off"]})
+    out = pd.DataFrame(rows)
+    out["tail share"] = r["tail_share"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--markdown", action="store_true", help="print markdown tables (needs tabulate)")
     args = ap.parse_args()
     for title, df in (("(a) measured here (2-core CPU, 2026-12-05) against the model", table_here()),
-                      ("(b) verl's published Qwen2.5-7B runs (H20) against the model", table_verl())):
+                      ("(b) verl's published Qwen2.5-7B runs (H20) against the model", table_verl()),
+                      ("(c) streaming measured here (2-core CPU, 2026-12-07) against the model fed the lengths",
+                       table_stream())):
         print(f"\n{title}\n")
         if args.markdown:
             print(df.astype(object).where(df.notna(), None).to_markdown(index=False, floatfmt=".4g", missingval="-"))

@@ -57,6 +57,25 @@ def test_old_logprob_pass_all_and_sync():
     assert sync["fully_async_s"] == 20.0  # max(8, 18 + 2, 0 / 1)
 
 
+def test_a_length_distribution_sets_the_tail():
+    # two batches: [8, 8, 8, 40] (mean 16, max 40) and [8, 8, 8, 8] (mean 8, max 8): lockstep decodes
+    # (40 + 8) / 2 = 24 steps a batch on average for a mean of (16 + 8) / 2 = 12 tokens: half is tail.
+    # G 6 s on 2 devices, 1 for rollout: tail 3 s stays, the parallel 3 s doubles: G_r = 9; U 1 -> 2, S 0.5.
+    # fully async, k = 2: max(6, 2 + 0.5, 3 / 2) = 6; one-step-off max(9, 2.5) = 9
+    r = estimate_rl_step(6.0, 1.0, 0.5, devices=2, rollout_devices=1, staleness=2,
+                         lengths=[[8, 8, 8, 40], [8, 8, 8, 8]])
+    assert r["tail_share"] == pytest.approx(0.5)
+    assert r["split_one_step_off_s"] == pytest.approx(9.0)
+    assert r["fully_async_s"] == pytest.approx(6.0)
+    assert r["fully_async_vs_one_step_off"] == pytest.approx(1.5)
+    same = estimate_rl_step(6.0, 1.0, 0.5, devices=2, rollout_devices=1, staleness=2, tail_s=3.0)
+    assert {k: v for k, v in r.items() if k != "tail_share"} == pytest.approx(same)
+    with pytest.raises(PlanError, match=r"give tail_s=1.0 or lengths, not both"):
+        estimate_rl_step(6.0, 1.0, devices=2, tail_s=1.0, lengths=[[8]])
+    with pytest.raises(PlanError, match=r"lengths must be batches \(lists\) of response lengths, positive integers"):
+        estimate_rl_step(6.0, 1.0, devices=2, lengths=[8, 64])
+
+
 def test_defaults_keep_the_model_as_it_was():
     # no pass, no tail, no staleness: the same numbers as before the extension (the docstring's)
     r = estimate_rl_step(10.0, 10.0, devices=2, rollout_devices=1, scaling=1.0, old_logprob_s=0.0, tail_s=0.0)

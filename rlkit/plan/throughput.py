@@ -46,6 +46,7 @@ KV cache once, so ``estimate_generation`` divides bytes read by HBM bandwidth.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from rlkit.errors import PlanError
@@ -524,7 +525,8 @@ def _seconds(name: str, value: Any) -> float:
 def estimate_rl_step(generate_s: float, update_s: float, sync_s: float = 0.0, *, devices: int = 1,
                      rollout_devices: int | None = None, scaling: float = 1.0, old_logprob_s: float = 0.0,
                      old_logprob_in: str = "off_policy", tail_s: float = 0.0,
-                     staleness: int | None = None) -> dict[str, float]:
+                     staleness: int | None = None, lengths: Sequence[Sequence[int]] | None = None
+                     ) -> dict[str, float]:
     """Step time of one RL step three (or four) ways, from its phase times on all ``devices`` (measured, or
     from ``predict_rl_step``): ``generate_s`` (sampling the step's batch), ``update_s`` (scoring and training
     on it), ``sync_s`` (moving the new weights to the engines).
@@ -545,6 +547,13 @@ def estimate_rl_step(generate_s: float, update_s: float, sync_s: float = 0.0, *,
     responses after the rest finished, decoded one token at a time whatever the devices: it does not
     shrink on more devices nor grow on fewer, so ``G_r = (G - T) x (devices / rollout_devices)^scaling + T``.
     ``predict_rl_step`` estimates it from the longest response's length.
+
+    Or give the length distribution: ``lengths``, the response lengths of some batches (one list per
+    batch; e.g. a run's, or drawn from the distribution you expect). Decoding the batch in lockstep
+    takes as many steps as its longest response, each about as long (memory-bound decode does not speed
+    up as the batch thins), while slots refilled with the next prompts (continuous batching, streaming)
+    would spend the mean: so ``tail_s = generate_s x (1 - mean(mean_b) / mean(max_b))`` over the batches
+    ``b``, and the returned ``tail_share`` says how much of generation that is.
 
     The pi_old pass: ``old_logprob_s`` (seconds on all devices, scaled like ``update_s``) is a separate
     scoring pass for pi_old before the update, and ``old_logprob_in`` says which loops pay it:
@@ -583,10 +592,20 @@ def estimate_rl_step(generate_s: float, update_s: float, sync_s: float = 0.0, *,
     (15.0, 28.0, 26.0)
     >>> estimate_rl_step(4.0, 1.0, devices=2, rollout_devices=1, tail_s=3.0, staleness=1)["fully_async_s"]
     3.0
+
+    Batches of nine 8-token answers and one 64-token answer: lockstep decodes 64 steps for a mean of 13.6:
+
+    >>> r = estimate_rl_step(4.0, 0.5, devices=2, rollout_devices=1, lengths=[[8] * 9 + [64]], staleness=2)
+    >>> round(r["tail_share"], 3), round(r["fully_async_s"], 3)
+    (0.787, 1.7)
     """
     generate_s, update_s, sync_s = (_seconds(n, v) for n, v in
                                     (("generate_s", generate_s), ("update_s", update_s), ("sync_s", sync_s)))
     old_logprob_s, tail_s = _seconds("old_logprob_s", old_logprob_s), _seconds("tail_s", tail_s)
+    if lengths is not None:
+        if tail_s:
+            raise PlanError(f"give tail_s={tail_s!r} or lengths, not both: lengths sets the tail")
+        tail_s = generate_s * tail_share(lengths)
     if tail_s > generate_s:
         raise PlanError(f"tail_s={tail_s!r} is part of generate_s={generate_s!r}: it cannot be longer")
     if isinstance(scaling, bool) or not isinstance(scaling, (int, float)) or not 0 <= scaling < float("inf"):
@@ -615,8 +634,28 @@ def estimate_rl_step(generate_s: float, update_s: float, sync_s: float = 0.0, *,
            "one_step_off_vs_split_sync": split_sync / off, "one_step_off_vs_colocated": colocated / off}
     if staleness is not None:
         full = max(work, u + o_off + sync_s, tail_s / staleness)
-        out.update(fully_async_s=full, fully_async_vs_colocated=colocated / full)
+        out.update(fully_async_s=full, fully_async_vs_colocated=colocated / full,
+                   fully_async_vs_one_step_off=off / full)
+    if lengths is not None:
+        out["tail_share"] = tail_s / generate_s if generate_s else 0.0
     return out
+
+
+def tail_share(lengths: Sequence[Sequence[int]]) -> float:
+    """The share of lockstep generation that is tail, from the response lengths of some batches (one list
+    each): ``1 - mean(batch means) / mean(batch maxima)`` (``estimate_rl_step``'s ``lengths``).
+
+    >>> tail_share([[8, 8, 8, 8]]), tail_share([[8, 8, 8, 40], [8, 8, 8, 8]])
+    (0.0, 0.5)
+    """
+    batches = [list(b) if isinstance(b, (list, tuple)) else [] for b in lengths]
+    if not batches or any(not b for b in batches) or any(
+            isinstance(x, bool) or not isinstance(x, int) or x < 1 for b in batches for x in b):
+        raise PlanError(f"lengths must be batches (lists) of response lengths, positive integers, e.g. "
+                        f"[[8, 8, 64], [8, 12, 8]]; got {str(lengths)[:80]}")
+    mean = sum(sum(b) / len(b) for b in batches) / len(batches)
+    top = sum(max(b) for b in batches) / len(batches)
+    return 1.0 - mean / top
 
 
 def predict_rl_step(model: Any, *, gpu: str | dict = "H100", devices: int, rollout_devices: int | None = None,
