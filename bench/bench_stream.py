@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/bench_stream.py                     # tiny Qwen2, 3 rounds x 16 steps
     .venv/bin/python bench/bench_stream.py --rounds 1 --steps 4 # smoke test
+    .venv/bin/python bench/bench_stream.py --model smollm2-135m-instruct --rounds 1 --steps 8 --prompts 4 \
+        --configs streaming,"streaming stale KV"
 
 The workload: 100 prompts, one in ten answered at length (drawn to ``--long`` tokens), the other nine by a
 script in ``--short`` tokens (seven tokens and the end token: ``Rollout(script=...)`` emits them while the
@@ -13,7 +15,9 @@ process, rounds rotating the order:
 - ``one-step-off``: ``off_policy_steps=1`` (TIS): step k+1's batch samples while step k trains;
 - ``streaming``: ``streaming=True`` (TIS), chunks of ``--chunk`` tokens, weights landing mid-sample,
   ``max_staleness=--staleness``, ``stream_groups`` the default 2 x prompts_per_step;
-- ``streaming 4P``: the same with 4 x prompts_per_step groups running or buffered (more samples per chunk).
+- ``streaming 4P``: the same with 4 x prompts_per_step groups running or buffered (more samples per chunk);
+- ``streaming stale KV``: ``stream_stale_kv=True``, a running sample keeps its keys and values across weight
+  updates (no prefill after an update; without it, an update costs each running sample one prefill).
 
 Per step from the metrics rows: step seconds, the trainer's wait for its batch, the update; trained tokens
 (response tokens in the batch) per second of wall clock over the measured steps. The first ``--warmup``
@@ -35,13 +39,20 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {"split sync": dict(),
            "one-step-off": dict(off_policy_steps=1, offpolicy_correction="tis"),
            "streaming": dict(streaming=True, offpolicy_correction="tis"),
-           "streaming 4P": dict(streaming=True, offpolicy_correction="tis", stream_groups=4)}  # x prompts_per_step
+           "streaming 4P": dict(streaming=True, offpolicy_correction="tis", stream_groups=4),  # x prompts_per_step
+           "streaming stale KV": dict(streaming=True, offpolicy_correction="tis", stream_stale_kv=True)}
 SHORT_TEXT = "xyzxyzx<|endoftext|>"  # 7 tokens and the end token in the tiny tokenizer
 
 
-def rows_and_script(long_every: int = 10) -> tuple[list[dict], tuple]:
+def short_text(tokenizer) -> str:
+    """Seven tokens and the end token in ``tokenizer`` (the tiny one: ``SHORT_TEXT``)."""
+    ids = tokenizer.encode("xyz" * 20, add_special_tokens=False)[:7]
+    return tokenizer.decode(ids) + tokenizer.eos_token
+
+
+def rows_and_script(long_every: int = 10, short: str = SHORT_TEXT) -> tuple[list[dict], tuple]:
     rows = [{"prompt": c * k, "letter": c} for c in "abcdefghij" for k in range(1, 11)]
-    script = tuple((rf"\A{r['prompt']}", SHORT_TEXT) for i, r in enumerate(rows) if i % long_every)
+    script = tuple((rf"\A{r['prompt']}", short) for i, r in enumerate(rows) if i % long_every)
     return rows, script
 
 
@@ -51,12 +62,19 @@ def worker(args: argparse.Namespace) -> None:
     import rlkit
 
     torch.set_num_threads(1)
-    rows, script = rows_and_script()
+    if args.model == "tiny-qwen2":
+        model, short = rlkit.models.tiny_lm("qwen2", size="small"), SHORT_TEXT
+    else:
+        from transformers import AutoTokenizer
+
+        model = rlkit.models.pretrained(args.model)
+        short = short_text(AutoTokenizer.from_pretrained(model))
+    rows, script = rows_and_script(short=short)
     cfg = dict(CONFIGS[args.config])
     if cfg.get("streaming"):
         cfg.update(stream_chunk_tokens=args.chunk, max_staleness=args.staleness,
                    stream_groups=cfg.get("stream_groups", 2) * args.prompts)
-    tr = rlkit.Trainer(model=rlkit.models.tiny_lm("qwen2", size="small"), dataset=rows,
+    tr = rlkit.Trainer(model=model, dataset=rows,
                        reward=rlkit.tasks.repeat.reward, algorithm="grpo", placement="split",
                        rollout=rlkit.Rollout(engine="hf", n=args.n, max_new_tokens=args.long, script=script),
                        prompts_per_step=args.prompts, lr=args.lr, seed=args.seed, train_size=len(rows),
@@ -74,7 +92,8 @@ def worker(args: argparse.Namespace) -> None:
 
 def run(config: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--worker", "--config", config] + [
-        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("worker", "config", "rounds")]
+        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+        if k not in ("worker", "config", "rounds", "configs")]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:
@@ -109,18 +128,25 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, default=8, help="streaming: max_staleness")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="tiny-qwen2", help="tiny-qwen2, or a pretrained name (smollm2-135m-instruct)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated runs (split sync and one-step-off "
+                                                                 "are always in: the ratios' baselines)")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    results: dict[str, list[dict]] = {c: [] for c in CONFIGS}
-    order = list(CONFIGS)
+    chosen = args.configs.split(",")
+    unknown = set(chosen) - set(CONFIGS)
+    if unknown:
+        raise SystemExit(f"--configs: unknown {sorted(unknown)}; choose from {list(CONFIGS)}")
+    order = [c for c in CONFIGS if c in chosen or c in ("split sync", "one-step-off")]
+    results: dict[str, list[dict]] = {c: [] for c in order}
     for r in range(args.rounds):
         for c in order[r % len(order):] + order[:r % len(order)]:
             res = run(c, args)
             results[c].append(res)
             print(f"round {r + 1} {c}: " + ", ".join(f"{k} {v:.3f}" for k, v in summary(res, args.warmup).items()),
                   flush=True)
-    print(f"\ntiny Qwen2, GRPO, {args.prompts} prompts x n={args.n}, one prompt in ten answered in {args.long} tokens, "
+    print(f"\n{args.model}, GRPO, {args.prompts} prompts x n={args.n}, one prompt in ten answered in {args.long} tokens, "
           f"the rest in 8; {args.steps} steps ({args.warmup} warm-up), {args.rounds} rounds, {os.cpu_count()} cores; "
           f"medians over rounds\n")
     keys = list(summary(results["split sync"][0], args.warmup))
@@ -132,7 +158,7 @@ def main() -> None:
         table[c] = {k: statistics.median([s[k] for s in sums]) for k in keys}
         print(f"| {c} | " + " | ".join("-" if v != v else f"{v:.3f}" for v in table[c].values()) + " |")
     off, sync = table["one-step-off"], table["split sync"]
-    for name in ("streaming", "streaming 4P"):
+    for name in [c for c in order if c.startswith("streaming")]:
         st = table[name]
         print(f"\n{name} / one-step-off trained tokens/s: {st['trained tok/s'] / off['trained tok/s']:.2f}x; "
               f"{name} / split sync: {st['trained tok/s'] / sync['trained tok/s']:.2f}x")

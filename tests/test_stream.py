@@ -12,7 +12,8 @@ prompts are saturated (every sample gets reward 1: dynamic sampling filters them
 - nothing lost or repeated: every admitted group is trained once, dropped, filtered, or still in the stream;
 - a run saved mid-stream (samples running, a chunk in flight) resumes exactly;
 - with ``partial_rollouts=False`` a sample started after the switch never crosses an update;
-- with ``stream_stale_kv=True`` a sample that crossed an update went on over its older keys and values.
+- with ``stream_stale_kv=True`` a sample that crossed an update went on over its older keys and values;
+- a rollout worker killed mid-stream is a WorkerError naming its rank and the call.
 """
 
 from __future__ import annotations
@@ -173,6 +174,35 @@ def test_stale_keys_and_values_carry_a_sample_across_updates(tmp_path, ray_clust
         assert same_gap <= 1e-4
         assert crossed_gap > 1e-3
         assert (tr.metrics["stream/kv_reused_share"].iloc[1:] > 0).all()
+    finally:
+        tr.close()
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_a_rollout_worker_killed_mid_stream_is_reported_with_its_rank_and_call(tmp_path, ray_cluster):
+    """The rollout worker is killed (SIGKILL) after step 1, with chunks in flight: the run stops with a
+    WorkerError naming rank 0 and the call it died in, and the trainer closes (bounded waits)."""
+    import os
+    import re
+    import signal
+
+    from rlkit.errors import WorkerError
+
+    tr = _trainer(tmp_path, "killed", ray_cluster)
+    victim = tr.rollout_group.apply(lambda w: os.getpid())[0]
+
+    def kill_after_first_step(trainer, row):
+        if row["step"] == 1:
+            os.kill(victim, signal.SIGKILL)
+
+    tr.callbacks.append(kill_after_first_step)
+    try:
+        with pytest.raises(WorkerError, match=r"worker process died during '(\w+)'") as info:
+            tr.fit(steps=4, view="none")
+        phase = re.search(r"died during '(\w+)'", str(info.value)).group(1)
+        assert info.value.rank == 0 and phase in {"continue_samples", "receive_weights"}, str(info.value)
+        assert len(tr.metrics) == 1
     finally:
         tr.close()
 
