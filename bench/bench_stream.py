@@ -20,8 +20,9 @@ process, rounds rotating the order:
   updates (no prefill after an update; without it, an update costs each running sample one prefill).
 
 Per step from the metrics rows: step seconds, the trainer's wait for its batch, the update; trained tokens
-(response tokens in the batch) per second of wall clock over the measured steps. The first ``--warmup``
-steps are left out.
+(response tokens in the batch) per second of wall clock over the measured steps; the share of the wall clock
+each side computes (rollout: the engines' own time, ``timing/generate``; trainer: the update) and both at
+once (their sum past 1; 0 when the loop alternates). The first ``--warmup`` steps are left out.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def worker(args: argparse.Namespace) -> None:
     wall = time.perf_counter() - t_fit
     tr.close()
     df["trained_tokens"] = df["response_length/mean"] * args.prompts * args.n
-    cols = [c for c in ("reward/mean", "timing/step", "timing/wait_generate", "timing/update", "trained_tokens",
+    cols = [c for c in ("reward/mean", "timing/step", "timing/wait_generate", "timing/update", "timing/generate",
+                        "trained_tokens",
                         "offpolicy/staleness_max", "stream/dropped_stale", "stream/crossed_share") if c in df.columns]
     print("RESULT " + json.dumps({"config": args.config, "wall_s": wall, "rows": df[cols].to_dict(orient="list")}),
           flush=True)
@@ -108,6 +110,12 @@ def summary(res: dict, warmup: int) -> dict:
            "step s": statistics.median(step), "update s": statistics.median(r["timing/update"][warmup:])}
     wait = r.get("timing/wait_generate")
     out["wait s"] = statistics.median(wait[warmup:]) if wait and all(w == w for w in wait[warmup:]) else float("nan")
+    # the share of the step each side computes: the rollout engines (their own time for the step's tokens) and
+    # the trainer (the update); both at once is what overlap bought (0 in the synchronous loop)
+    gen, upd = r["timing/generate"][warmup:], r["timing/update"][warmup:]
+    out["rollout busy"] = min(1.0, sum(gen) / sum(step))
+    out["trainer busy"] = sum(upd) / sum(step)
+    out["both busy"] = max(0.0, out["rollout busy"] + out["trainer busy"] - 1.0)
     out["staleness max"] = max(r.get("offpolicy/staleness_max", [0.0]))
     out["dropped groups"] = sum(r.get("stream/dropped_stale", [0.0]))
     out["crossed share"] = statistics.mean(r.get("stream/crossed_share", [0.0]))
