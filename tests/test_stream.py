@@ -47,6 +47,17 @@ def _trainer(tmp_path, name, cluster):
                    run_dir=str(tmp_path / name))
 
 
+def _steps_keeping_weights(tr, steps):
+    """``steps`` steps by hand; the batches and the actor's full weights of every version (0 = the start)."""
+    weights, batches = {0: tr.workers.full_weights()}, []
+    for _ in range(steps):
+        batch = tr.generate()
+        batches.append(batch)
+        tr.update(tr.estimate(batch))
+        weights[tr.step] = tr.workers.full_weights()
+    return weights, batches
+
+
 @pytest.mark.ray
 def test_streamed_tokens_carry_their_version_and_log_prob_within_the_bound_and_resume_exactly(tmp_path, ray_cluster):
     from transformers import AutoModelForCausalLM
@@ -54,12 +65,7 @@ def test_streamed_tokens_carry_their_version_and_log_prob_within_the_bound_and_r
     tr = _trainer(tmp_path, "stream", ray_cluster)
     model = AutoModelForCausalLM.from_pretrained(tr.model_path, dtype=torch.float32)
     try:
-        weights, batches = {0: tr.workers.full_weights()}, []
-        for _ in range(4):
-            batch = tr.generate()
-            batches.append(batch)
-            tr.update(tr.estimate(batch))
-            weights[tr.step] = tr.workers.full_weights()
+        weights, batches = _steps_keeping_weights(tr, 4)
         crossed = 0
         for b in batches:
             s, mask = b.samples, b.samples.response_mask.bool()
@@ -153,12 +159,7 @@ def test_stale_keys_and_values_carry_a_sample_across_updates(tmp_path, ray_clust
                  run_dir=str(tmp_path / "stale"))
     model = AutoModelForCausalLM.from_pretrained(tr.model_path, dtype=torch.float32)
     try:
-        weights, batches = {0: tr.workers.full_weights()}, []
-        for _ in range(4):
-            batch = tr.generate()
-            batches.append(batch)
-            tr.update(tr.estimate(batch))
-            weights[tr.step] = tr.workers.full_weights()
+        weights, batches = _steps_keeping_weights(tr, 4)
         same_gap, crossed_gap = 0.0, 0.0
         for b in batches:
             s, mask = b.samples, b.samples.response_mask.bool()
@@ -183,25 +184,12 @@ def test_stale_keys_and_values_carry_a_sample_across_updates(tmp_path, ray_clust
 def test_a_rollout_worker_killed_mid_stream_is_reported_with_its_rank_and_call(tmp_path, ray_cluster):
     """The rollout worker is killed (SIGKILL) after step 1, with chunks in flight: the run stops with a
     WorkerError naming rank 0 and the call it died in, and the trainer closes (bounded waits)."""
-    import os
-    import re
-    import signal
-
-    from rlkit.errors import WorkerError
+    from _kill import fit_until_killed
 
     tr = _trainer(tmp_path, "killed", ray_cluster)
-    victim = tr.rollout_group.apply(lambda w: os.getpid())[0]
-
-    def kill_after_first_step(trainer, row):
-        if row["step"] == 1:
-            os.kill(victim, signal.SIGKILL)
-
-    tr.callbacks.append(kill_after_first_step)
     try:
-        with pytest.raises(WorkerError, match=r"worker process died during '(\w+)'") as info:
-            tr.fit(steps=4, view="none")
-        phase = re.search(r"died during '(\w+)'", str(info.value)).group(1)
-        assert info.value.rank == 0 and phase in {"continue_samples", "receive_weights"}, str(info.value)
+        error, phase = fit_until_killed(tr, tr.rollout_group)
+        assert error.rank == 0 and phase in {"continue_samples", "receive_weights"}, str(error)
         assert len(tr.metrics) == 1
     finally:
         tr.close()
