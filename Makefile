@@ -83,17 +83,21 @@ deps:
 	$(MAKE) --no-print-directory -j3 -Otarget $(STAMP) $(VLLM_STAMP) browser
 
 # What CI runs: lint and the default suite in two lanes. The main lane: ruff and every test but the notebooks'.
-# The side lane, a second process: the vLLM venv built and the vLLM engine and trainer tests run in it, then the
-# notebooks and tutorials (tests/test_notebooks.py, one at a time) in the main venv once the main lane built it.
+# The side lane, a second process: the vLLM venv built and the vLLM engine and trainer tests run in it, then
+# notebook 02's live view in Chromium and the notebooks and tutorials (tests/test_notebooks.py, one at a time)
+# in the main venv once the main lane built it.
 # Much of the suite is waiting (Ray, kernels and workers starting), which the other lane fills: on 2 cores the
 # two lanes take less than one after the other (bench/README.md: "The test lanes"). The side lane's output is
 # printed after the main lane's; the run fails when either fails.
 .PHONY: test-side test-notebooks
+# The longest browser test (notebook 02's 100-step fit in Chromium, ~2.5 min) runs in the side lane, before the
+# notebooks: the main lane is the longer one.
+LIVE_VIEW_TEST := tests/test_browser.py::test_notebook_02_live_view_redraws_during_fit
 test:
 	@log=$$(mktemp -t rlkit-test-side-XXXXXX); \
 	$(MAKE) --no-print-directory test-side > $$log 2>&1 & side=$$!; \
 	$(MAKE) --no-print-directory -j2 -Otarget $(STAMP) browser && $(BIN)/ruff check . && \
-	$(REQUIRE) $(BIN)/python -m pytest -q --ignore=tests/test_notebooks.py $(DURATIONS); rc=$$?; \
+	$(REQUIRE) $(BIN)/python -m pytest -q --ignore=tests/test_notebooks.py --deselect $(LIVE_VIEW_TEST) $(DURATIONS); rc=$$?; \
 	echo "waiting for the side lane (make test-side: the vLLM tests, then the notebooks) ..."; wait $$side; vrc=$$?; \
 	echo "==== make test-side (run beside the suite): exit $$vrc ===="; cat $$log; rm -f $$log; \
 	[ $$rc -eq 0 ] && [ $$vrc -eq 0 ]
@@ -106,12 +110,15 @@ test-side:
 test-vllm: $(VLLM_STAMP)
 	RLKIT_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_vllm.py $(DURATIONS)
 
-# The notebooks in the main venv. Under make test the main lane builds that venv: this waits for it (bounded)
-# rather than building it a second time at once.
+# The notebooks in the main venv: notebook 02's live view in Chromium, then every notebook top to bottom. Under
+# make test the main lane builds that venv: this waits for it (bounded) rather than building it a second time.
 test-notebooks:
 	@for i in $$(seq 180); do $(MAKE) --no-print-directory -q $(STAMP) && break; sleep 5; done; \
 	$(MAKE) --no-print-directory -q $(STAMP) || { echo "test-notebooks: .venv was not set up within 15 minutes (make setup)"; exit 1; }
-	$(REQUIRE) RLKIT_NOTEBOOK_PARALLEL=1 $(BIN)/python -m pytest -q tests/test_notebooks.py $(DURATIONS)
+	@$(MAKE) --no-print-directory browser
+	$(REQUIRE) $(BIN)/python -m pytest -q $(LIVE_VIEW_TEST) $(DURATIONS); b=$$?; \
+	$(REQUIRE) RLKIT_NOTEBOOK_PARALLEL=1 $(BIN)/python -m pytest -q tests/test_notebooks.py $(DURATIONS); n=$$?; \
+	[ $$b -eq 0 ] && [ $$n -eq 0 ]
 
 # Everything make test runs, and the long variants (marked slow) too.
 test-all: deps
