@@ -42,6 +42,7 @@ class TrainerConfig:
     clip_high: float = 0.2               # > clip_low: DAPO clip-higher
     dual_clip: float | None = None
     loss_agg: str = "token-mean"
+    loss_options: dict[str, Any] | None = None  # the policy loss's own hyper-parameters, e.g. SAPO's {"tau_neg": 1.05}
     kl_coef: float = 0.0                 # 0: no reference model
     kl_kind: str = "low_var_kl"
     kl_in_reward: bool = False           # False: KL as a loss term (GRPO); True: penalty in the reward (PPO)
@@ -111,6 +112,10 @@ class TrainerConfig:
                                f"{self.clip_low}")
         number("dual_clip", self.dual_clip, gt=1, none_ok=True, hint="e.g. dual_clip=3.0", **err)
         choice("loss_agg", self.loss_agg, AGG_MODES, **err)
+        if self.loss_options is not None and not (isinstance(self.loss_options, dict)
+                                                  and all(isinstance(k, str) for k in self.loss_options)):
+            raise TrainerError(f"loss_options={self.loss_options!r} must be a dict of the policy loss's keyword "
+                               f"arguments, e.g. loss_options={{'tau_pos': 1.0, 'tau_neg': 1.05}} for SAPO")
         number("kl_coef", self.kl_coef, ge=0, hint="0 turns the KL term (and the reference model) off", **err)
         choice("kl_kind", self.kl_kind, KL_KINDS, **err)
         boolean("kl_in_reward", self.kl_in_reward, **err)
@@ -227,7 +232,7 @@ class TrainerConfig:
         extra = {} if policy_loss is None else {"policy_loss": policy_loss}
         return UpdateSettings(lr=self.learning_rate(step), epochs=self.epochs, minibatches=self.minibatches,
                               clip_low=self.clip_low, clip_high=self.clip_high, dual_clip=self.dual_clip,
-                              loss_agg=self.loss_agg, kl_loss_coef=0.0 if self.kl_in_reward else self.kl_coef,
+                              loss_agg=self.loss_agg, loss_options=dict(self.loss_options or {}), kl_loss_coef=0.0 if self.kl_in_reward else self.kl_coef,
                               kl_kind=self.kl_kind, entropy_coef=self.entropy_coef, value_clip=self.value_clip,
                               offpolicy=({"mode": self.offpolicy_correction, "cap": self.offpolicy_cap,
                                           "level": self.offpolicy_level} if self.fused_offpolicy() else None),

@@ -282,6 +282,18 @@ def check_lora(config: TrainerConfig, model_path: str, plan: ParallelPlan) -> No
         raise TrainerError(str(e)) from None
 
 
+def check_loss_options(config: TrainerConfig, policy_loss: Callable[..., Any], name: str) -> None:
+    """``config.loss_options`` that the algorithm's policy loss ``name`` takes, with values it accepts
+    (``rlkit.algos.check_loss_options``); a TrainerError naming the option and the fix otherwise."""
+    from rlkit.algos import check_loss_options as check
+
+    try:
+        check(policy_loss, name, config.loss_options or {}, clip_low=config.clip_low, clip_high=config.clip_high,
+              dual_clip=config.dual_clip, agg=config.loss_agg)
+    except (ValueError, TypeError) as e:
+        raise TrainerError(f"loss_options={config.loss_options!r}: {e}") from None
+
+
 def check_off_policy(config: TrainerConfig, placement: Any) -> None:
     """Asynchronous RL overlaps generation with training on different workers: split placement only."""
     if config.off_policy_steps and placement.kind != "split":

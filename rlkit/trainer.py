@@ -104,6 +104,7 @@ class Trainer(TrainerIO):
             raise TrainerError(str(e)) from None
         self.algorithm = self.algo.name
         self.policy_loss = get_policy_loss(self.algo.policy_loss)
+        inputs.check_loss_options(self.config, self.policy_loss, self.algo.policy_loss)
         inputs.check_types(plan, rollout, cluster, callbacks)
         self.plan = plan or (placement.plan if isinstance(placement, Placement) else ParallelPlan())
         self.rollout = rollout or Rollout(n=4, max_new_tokens=16)

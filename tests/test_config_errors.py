@@ -44,6 +44,7 @@ TRAINER_CONFIG_BAD = {
     "dual_clip": [(1.0, "dual_clip=1.0 must be a finite number > 1 or None")],
     "loss_agg": [("token_mean", "loss_agg='token_mean': choose one of ['token-mean', "),
                  ("token_mean", "did you mean 'token-mean'?")],
+    "loss_options": [([("tau", 1.0)], "loss_options=[('tau', 1.0)] must be a dict of the policy loss's keyword")],
     "kl_coef": [(-0.1, "kl_coef=-0.1 must be a finite number >= 0"), (math.inf, "kl_coef=inf")],
     "kl_kind": [("k7", "kl_kind='k7': choose one of ['k1', 'kl', 'abs', 'k2', 'mse', 'k3', 'low_var_kl']")],
     "kl_in_reward": [("yes", "kl_in_reward='yes' must be True or False")],

@@ -31,6 +31,7 @@ from rlkit.algos.losses import (
     value_loss,
 )
 from rlkit.algos.masked import last_token_rewards, masked_mean, masked_sum, masked_whiten
+from rlkit.algos.ratio_losses import cispo_loss, gspo_loss, gspo_token_loss, sapo_loss
 from rlkit.algos.registry import (
     ADVANTAGES,
     ALGORITHMS,
@@ -40,6 +41,7 @@ from rlkit.algos.registry import (
     Needs,
     Passes,
     call_policy_loss,
+    check_loss_options,
     compute_advantages,
     estimator_options,
     get_advantage,
@@ -56,14 +58,17 @@ from rlkit.algos.settings import UpdateSettings
 for _name, _estimator in (("grpo", "grpo"), ("drgrpo", "drgrpo"), ("rloo", "rloo"), ("reinforce++", "reinforce_pp"),
                           ("reinforce++-baseline", "reinforce_pp_baseline"), ("ppo", "gae")):
     register_algorithm(_name, advantage=_estimator)
+# ... and the 2025 losses that reshape the ratio (rlkit.algos.ratio_losses), with the GRPO advantage.
+for _name in ("gspo", "gspo-token", "cispo", "sapo"):
+    register_algorithm(_name, advantage="grpo", policy_loss=_name)
 
 __all__ = [
     "ADVANTAGES", "AGG_MODES", "ALGORITHMS", "KL_KINDS", "NEEDS", "POLICY_LOSSES", "Algorithm", "Needs", "Passes",
     "UpdateSettings",
     "register_advantage", "get_advantage", "compute_advantages", "register_policy_loss", "get_policy_loss",
-    "call_policy_loss", "estimator_options", "register_algorithm", "get_algorithm", "known_algorithms",
+    "call_policy_loss", "check_loss_options", "estimator_options", "register_algorithm", "get_algorithm", "known_algorithms",
     "gae", "grpo", "drgrpo", "rloo", "reinforce_pp", "reinforce_pp_baseline",
-    "aggregate", "policy_loss", "value_loss", "entropy_from_logprobs", "entropy_bonus",
+    "aggregate", "policy_loss", "gspo_loss", "gspo_token_loss", "cispo_loss", "sapo_loss", "value_loss", "entropy_from_logprobs", "entropy_bonus",
     "kl_penalty", "kl_loss", "apply_kl_penalty", "FixedKLController", "AdaptiveKLController",
     "masked_mean", "masked_sum", "masked_whiten", "last_token_rewards",
 ]

@@ -82,17 +82,54 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     """
     m = as_bool(response_mask)
     check_shapes(m, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
+    check_clip(clip_low, clip_high, dual_clip)
+    log_ratio = masked_log_ratio(logprobs, old_logprobs, m)
+    adv = masked_advantages(advantages, m)
+    loss_mat, metrics = clipped_surrogate(torch.exp(log_ratio), adv, m, clip_low, clip_high, dual_clip)
+    metrics.update(ratio_metrics(log_ratio, m))
+    return aggregate(loss_mat, m, agg, norm), metrics
+
+
+def check_clip(clip_low: float, clip_high: float, dual_clip: float | None = None) -> None:
+    """A ValueError naming a clip range out of bounds (``0 <= clip_low < 1``, ``clip_high >= 0``, ``dual_clip > 1``)."""
     if not (0 <= clip_low < 1 and clip_high >= 0):
         raise ValueError(f"clip_low={clip_low}, clip_high={clip_high}: need 0 <= clip_low < 1 and clip_high >= 0 "
-                         f"(PPO uses 0.2 / 0.2; DAPO 0.2 / 0.28)")
+                         f"(PPO uses 0.2 / 0.2; DAPO 0.2 / 0.28; GSPO 3e-4 / 4e-4)")
     if dual_clip is not None and not dual_clip > 1:
         raise ValueError(f"dual_clip={dual_clip} must be > 1 (e.g. 3.0), or None to turn it off")
+
+
+def masked_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``log pi - log pi_old`` per token in fp32, with ``pi_old`` detached, 0 on padding (ratio 1, no NaN
+    gradient) and clamped to [-20, 20] against overflow in ``exp``.
+
+    >>> import torch
+    >>> masked_log_ratio(torch.tensor([[0.5, 30., 7.]]), torch.zeros(1, 3), torch.tensor([[True, True, False]]))
+    tensor([[ 0.5000, 20.0000,  0.0000]])
+    """
     zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
     log_ratio = at_least_fp32(logprobs) - at_least_fp32(old_logprobs).detach()
-    log_ratio = torch.where(m, log_ratio, zero).clamp(-20.0, 20.0)   # padding: ratio 1, no NaN gradient
-    adv = torch.where(m, at_least_fp32(advantages).detach(), zero)
-    ratio = torch.exp(log_ratio)
+    return torch.where(m, log_ratio, zero).clamp(-20.0, 20.0)
 
+
+def masked_advantages(advantages: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The advantages in fp32, detached, 0 on padding."""
+    zero = torch.zeros((), dtype=torch.float32, device=advantages.device)
+    return torch.where(m, at_least_fp32(advantages).detach(), zero)
+
+
+def clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, m: torch.Tensor, clip_low: float, clip_high: float,
+                      dual_clip: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's pessimistic clipped objective per token, ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))``,
+    with the dual clip's cap ``-A c`` on tokens with A < 0; whatever the ratio ``r`` is (a token's, or a
+    sequence's broadcast over its tokens). Returns the per-token loss and ``clipfrac`` / ``clipfrac_lower``
+    over the real tokens.
+
+    >>> import torch
+    >>> loss_mat, m = clipped_surrogate(torch.tensor([[0.5, 1.5]]), torch.ones(1, 2), torch.ones(1, 2).bool(), 0.2, 0.2)
+    >>> loss_mat, m["clipfrac"]
+    (tensor([[-0.5000, -1.2000]]), 0.5)
+    """
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
     loss_mat = torch.maximum(unclipped, clipped)                  # pessimistic: the larger loss
@@ -103,17 +140,16 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         capped = (adv < 0) & (loss_mat > cap)
         clipfrac_lower = masked_mean(capped.float(), m)
         loss_mat = torch.where(adv < 0, torch.minimum(loss_mat, cap), loss_mat)
+    return loss_mat, {"clipfrac": clipfrac.item(), "clipfrac_lower": clipfrac_lower.item()}
 
-    loss = aggregate(loss_mat, m, agg, norm)
-    with torch.no_grad():
-        metrics = {
-            "clipfrac": clipfrac.item(),
-            "clipfrac_lower": clipfrac_lower.item(),
-            "approx_kl": masked_mean(-log_ratio, m).item(),
-            "ratio_mean": masked_mean(ratio, m).item(),
-            "ratio_max": (ratio.masked_fill(~m, float("-inf")).max().item() if m.any() else 1.0),
-        }
-    return loss, metrics
+
+@torch.no_grad()
+def ratio_metrics(log_ratio: torch.Tensor, m: torch.Tensor) -> dict[str, float]:
+    """``approx_kl`` (mean of old - new log-prob: k1 of KL(old || new)), ``ratio_mean`` and ``ratio_max`` over
+    the real tokens, from the per-token log-ratio."""
+    ratio = torch.exp(log_ratio)
+    return {"approx_kl": masked_mean(-log_ratio, m).item(), "ratio_mean": masked_mean(ratio, m).item(),
+            "ratio_max": (ratio.masked_fill(~m, float("-inf")).max().item() if m.any() else 1.0)}
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

@@ -241,6 +241,35 @@ def call_policy_loss(fn: PolicyLoss, logprobs: torch.Tensor, old_logprobs: torch
     return fn(logprobs, old_logprobs, advantages, response_mask, **kwargs)
 
 
+# The update's settings every policy loss is offered by keyword (UpdateSettings): loss_options cannot set them.
+SETTINGS = ("clip_low", "clip_high", "dual_clip", "agg")
+
+
+def check_loss_options(fn: PolicyLoss, name: str, options: dict[str, Any], **settings: Any) -> None:
+    """A ValueError, raised before any worker starts, for ``loss_options`` the policy loss ``name`` cannot take:
+    a keyword it has no parameter for, one of the update's own ``SETTINGS``, or a value it rejects (it is called
+    once on a 1 x 2 batch of zeros with ``options`` and ``settings``).
+
+    >>> check_loss_options(get_policy_loss("ppo"), "ppo", {"tau": 1.0})
+    Traceback (most recent call last):
+    ...
+    ValueError: loss_options: the policy loss 'ppo' takes no 'tau'; it takes: norm
+    """
+    takes = _keywords(fn)
+    own = sorted(set(takes or ()) - {*SETTINGS, *list(inspect.signature(fn).parameters)[:4]})
+    for key in options:
+        if key in SETTINGS:
+            field = "loss_agg" if key == "agg" else key
+            raise ValueError(f"loss_options sets {key!r}, which is the trainer's own setting: pass {field}=... "
+                             f"to the Trainer (or TrainerConfig) instead")
+        if takes is not None and key not in takes:
+            raise ValueError(f"loss_options: the policy loss {name!r} takes no {key!r}; it takes: "
+                             f"{', '.join(own) or 'no options'}")
+    if options:
+        zeros = torch.zeros(1, 2)
+        call_policy_loss(fn, zeros, zeros, zeros, torch.ones(1, 2), **settings, **options)
+
+
 @functools.lru_cache(maxsize=64)
 def _keywords(fn: Callable[..., Any]) -> frozenset[str] | None:
     """The parameter names ``fn`` takes (None: it takes any keyword); read once per function, since a
@@ -325,5 +354,6 @@ def known_algorithms() -> list[str]:
 
 
 __all__ = ["ADVANTAGES", "ALGORITHMS", "Algorithm", "NEEDS", "Needs", "POLICY_LOSSES", "Passes", "call_policy_loss",
+           "check_loss_options",
            "compute_advantages", "estimator_options", "get_advantage", "get_algorithm", "get_policy_loss", "known_algorithms",
            "register_advantage", "register_algorithm", "register_policy_loss"]

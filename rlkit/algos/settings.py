@@ -6,7 +6,7 @@ driver's config and the workers both import them from below.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rlkit.algos.losses import policy_loss
@@ -32,6 +32,7 @@ class UpdateSettings:
     clip_high: float = 0.2
     dual_clip: float | None = None
     loss_agg: str = "token-mean"
+    loss_options: dict[str, Any] = field(default_factory=dict)  # the policy loss's own keywords (SAPO's tau_pos, ...)
     kl_loss_coef: float = 0.0       # KL to the reference as a loss term (0: none, e.g. KL in the reward)
     kl_kind: str = "low_var_kl"
     entropy_coef: float = 0.0

@@ -367,7 +367,8 @@ def actor_loss(layout: SequenceLayout, out: dict[str, torch.Tensor], mb: dict[st
         weights, m = importance_weights(old, mb["behaviour_logprobs"], mask, **settings.offpolicy)
         advantages = advantages * weights
     loss, pm = call_policy_loss(settings.policy_loss, lp, old, advantages, mask, clip_low=settings.clip_low,
-                                clip_high=settings.clip_high, dual_clip=settings.dual_clip, agg=settings.loss_agg)
+                                clip_high=settings.clip_high, dual_clip=settings.dual_clip, agg=settings.loss_agg,
+                                **settings.loss_options)
     m.update(pm)
     m["pg_loss"] = loss.item()
     if settings.kl_loss_coef and "ref_logprobs" in mb:
