@@ -79,6 +79,9 @@ class TrainerConfig:
     run_dir: str | None = None           # metrics.jsonl, config.json, plots; None: ./runs/<time>
     timeout_s: float = 600.0             # bound on each worker call
     keep_samples: int = 512              # rows kept for samples()
+    eval_every: int = 0                  # every N steps, eval/avg@k, pass@k, maj@k on the held-out split (0: off)
+    eval_k: int = 1                      # samples per held-out prompt (1: greedy; more: sampled at the rollout's temperature)
+    eval_prompts: int = 64               # held-out prompts per evaluation
     report_to: str | Sequence[str] | None = None  # "tensorboard" | "mlflow" | "wandb" | "trackio" | a list
 
     def __post_init__(self) -> None:
@@ -97,6 +100,10 @@ class TrainerConfig:
         integer("lr_warmup_steps", self.lr_warmup_steps, ge=0, hint="0 turns warm-up off", **err)
         integer("seed", self.seed, ge=0, **err)
         integer("keep_samples", self.keep_samples, ge=0, hint="0 keeps no samples", **err)
+        integer("eval_every", self.eval_every, ge=0, hint="e.g. eval_every=10; 0 turns evaluation inside fit off",
+                **err)
+        integer("eval_k", self.eval_k, hint="samples per held-out prompt, e.g. eval_k=8 for pass@8", **err)
+        integer("eval_prompts", self.eval_prompts, hint="held-out prompts per evaluation, e.g. 64", **err)
         number("lr", self.lr, gt=0, hint="e.g. lr=1e-5 for a pretrained model, 2e-3 for a tiny one", **err)
         number("critic_lr", self.critic_lr, gt=0, hint="e.g. critic_lr=1e-4", **err)
         choice("lr_schedule", self.lr_schedule, ("constant", "cosine"), **err)

@@ -294,6 +294,22 @@ def check_loss_options(config: TrainerConfig, policy_loss: Callable[..., Any], n
         raise TrainerError(f"loss_options={config.loss_options!r}: {e}") from None
 
 
+def check_eval(config: TrainerConfig, task: Any, heldout: Any) -> None:
+    """``eval_every`` needs a held-out split (a task's test split, or a DatasetDict's "test" / "validation"), and
+    the synchronous loop: a TrainerError naming the fix otherwise."""
+    if not config.eval_every:
+        return
+    if task is None and heldout is None:
+        raise TrainerError(f"eval_every={config.eval_every} scores a held-out split, and this dataset has none: pass "
+                           f"a DatasetDict (or a dict of splits) with a 'test' or 'validation' split, or a task "
+                           f"(e.g. rlkit.tasks.reasoning_gym(...)), or set eval_every=0 and call "
+                           f"trainer.evaluate(dataset=...) yourself")
+    if config.off_policy_steps or config.streaming:
+        raise TrainerError(f"eval_every={config.eval_every} runs inside the synchronous loop; with off_policy_steps="
+                           f"{config.off_policy_steps} / streaming={config.streaming} set eval_every=0 and call "
+                           f"trainer.evaluate(k=...) between fit calls")
+
+
 def check_off_policy(config: TrainerConfig, placement: Any) -> None:
     """Asynchronous RL overlaps generation with training on different workers: split placement only."""
     if config.off_policy_steps and placement.kind != "split":

@@ -10,6 +10,7 @@ functions on tensors, picked by name from its registry. The inputs and their che
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -115,6 +116,7 @@ class Trainer(TrainerIO):
         self.task, rows = inputs.rows_of(dataset, self.config.train_size, self.config.seed,
                                          self.config.prompt_column)
         self._heldout = dataset if heldout_split(dataset) else None  # a DatasetDict's test split, for evaluate()
+        inputs.check_eval(self.config, self.task, self._heldout)
         self.rows = self._render(rows)
         # an environment that rewards its episodes may be the only reward
         env_only = reward is None and self.task is None and self.agent is not None and environment is not None
@@ -481,6 +483,10 @@ class Trainer(TrainerIO):
         if batch.next_round is not None:  # the dataset's rounds this step took (synchronous; async counts launches)
             self.rounds = batch.next_round
         row = batch.metrics_row(self.step, settings, actor, critic)
+        if self.config.eval_every and self.step % self.config.eval_every == 0:
+            t0 = time.perf_counter()
+            row.update(self._evaluate_in_fit())
+            row["timing/eval"] = time.perf_counter() - t0
         self._log(row, batch.prompts, batch.samples, batch.rewards)
         return row
 
@@ -578,15 +584,29 @@ class Trainer(TrainerIO):
         token ids (``rlkit.widgets.live.readable_samples`` shows them where the text is not printable)."""
         return self.history.samples(self.step, last, ids)
 
-    def evaluate(self, dataset: Any = None, n: int = 64, greedy: bool = True) -> dict[str, float]:
-        """Mean reward (and exact-match rate: reward == 1) of the current policy on held-out prompts: the
-        task's test split, the "test" / "validation" split of a DatasetDict, else the training rows."""
+    def evaluate(self, dataset: Any = None, n: int = 64, greedy: bool | None = None, k: int = 1) -> dict[str, float]:
+        """The current policy on ``n`` held-out prompts (the task's test split, the "test" / "validation" split of
+        a DatasetDict, else the training rows), each sampled ``k`` times: the mean reward, the exact-match rate
+        (reward == 1), and avg@k, pass@j (j = 1, 2, 4, ... k) and maj@k (``rlkit.evaluation``). ``greedy``
+        (default: when ``k == 1``) decodes at temperature 0; else at the rollout's temperature. The samples are
+        kept in ``trainer.eval_samples`` (a DataFrame)."""
+        import pandas as pd
+
+        from rlkit import evaluation
+        from rlkit.checks import integer
+        from rlkit.tasks.base import completion_text
+
+        integer("k", k, hint="samples per held-out prompt, e.g. k=8 for pass@8", error=TrainerError)
+        greedy = k == 1 if greedy is None else greedy
+        if greedy and k > 1:
+            raise TrainerError(f"evaluate(k={k}, greedy=True) would sample {k} identical completions per prompt: pass "
+                               f"greedy=False (the rollout's temperature, {self.rollout.temperature}) or k=1")
         rows = inputs.heldout_rows(dataset, self.task, self._heldout, self.rows, n, self.config.seed + 1,
                                    self.config.prompt_column)
         rows = rows if rows is self.rows else self._render(rows)  # the training rows are rendered already
         rows = [dict(r, _row=i) for i, r in enumerate(rows[:n])]
         rows = rows[:len(rows) - len(rows) % self.plan.dp] or rows
-        overrides = {"n": 1, **({"temperature": 0.0} if greedy else {})}
+        overrides = {"n": k, **({"temperature": 0.0} if greedy else {})}
         self.workers.sync_weights()
         if self._stream is not None:  # the chunks launched from here sample with these weights (their version)
             self._stream.engine_version = self.step
@@ -594,11 +614,26 @@ class Trainer(TrainerIO):
         scores = self._score(samples)
         ok = torch.isfinite(scores)
         out = {"reward": scores[ok].mean().item(), "exact": (scores[ok] == 1).float().mean().item(), "n": int(ok.sum())}
+        answer_of = getattr(self.task, "answer_of", None) or (lambda c: completion_text(c).strip())
+        answers = [answer_of(c) for c in samples.completion]
+        groups: dict[int, list[tuple[float, str]]] = {}
+        for row, score, answer in zip(samples.row, scores.tolist(), answers):
+            groups.setdefault(row, []).append((score if math.isfinite(score) else 0.0, answer))
+        out.update(evaluation.scores(list(groups.values())))
+        self.eval_samples = pd.DataFrame({"step": self.step, "row": list(samples.row),
+                                          "completion": samples.completion, "answer": answers,
+                                          "reward": scores.tolist()})
         if samples.episode is not None:  # multi-turn: the same episodes as training, and their tool use
             from rlkit.agent.episodes import episode_metrics
 
             out.update(episode_metrics(samples.episode))
         return out
+
+    def _evaluate_in_fit(self) -> dict[str, float]:
+        """``eval_every``'s scores on the held-out split, as the step's ``eval/*`` metrics."""
+        c = self.config
+        scores = self.evaluate(n=c.eval_prompts, k=c.eval_k)
+        return {f"eval/{key}": v for key, v in scores.items() if key != "n"}
 
     def close(self) -> None:
         """Stop the worker groups and give their CPUs/GPUs back (the cluster stays up). Idempotent."""

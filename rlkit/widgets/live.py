@@ -36,6 +36,7 @@ import sys
 import time
 from typing import IO, TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 
 from rlkit import atomic
@@ -207,6 +208,12 @@ def _reward_panel(ax: Any, df: pd.DataFrame, x: Any, rolling: int) -> None:
                         lw=0, label="± std")
     if _has(df, "score/mean"):  # the verifier's score before any KL shaping
         ax.plot(x, df["score/mean"].to_numpy(), "-", lw=1, color="#55A868", alpha=0.8, label="score/mean")
+    # eval_every's held-out scores, on the steps that ran them: avg@k, and the largest pass@j and maj@k
+    evals = [c for c in df.columns if c.startswith(("eval/avg@", "eval/maj@"))]
+    passes = sorted((c for c in df.columns if c.startswith("eval/pass@")), key=lambda c: int(c.rsplit("@", 1)[1]))
+    for key, color in zip(evals + passes[-1:], ("#C44E52", "#8172B2", "#DD8452")):
+        at = df[key].notna().to_numpy()
+        ax.plot(np.asarray(x)[at], df[key].to_numpy()[at], "o-", ms=4, lw=1, color=color, label=key)
     _legend_on_top(ax)
 
 
