@@ -614,7 +614,10 @@ class Trainer(TrainerIO):
         scores = self._score(samples)
         ok = torch.isfinite(scores)
         out = {"reward": scores[ok].mean().item(), "exact": (scores[ok] == 1).float().mean().item(), "n": int(ok.sum())}
-        answer_of = getattr(self.task, "answer_of", None) or (lambda c: completion_text(c).strip())
+        # maj@k votes on answers: the task's reading of one, else a reward's (MathAnswer's), else the text
+        answer_of = next((f for f in [getattr(self.task, "answer_of", None)]
+                          + [getattr(fn, "answer_of", None) for fn, _ in self.rewards.fns] if f is not None),
+                         lambda c: completion_text(c).strip())
         answers = [answer_of(c) for c in samples.completion]
         groups: dict[int, list[tuple[float, str]]] = {}
         for row, score, answer in zip(samples.row, scores.tolist(), answers):
