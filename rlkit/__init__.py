@@ -58,6 +58,10 @@ _LAZY = {
     "agent": "rlkit.agent",
     "MultiTurn": "rlkit.agent",
     "EnvStep": "rlkit.agent",
+    "CurriculumSampler": "rlkit.sampler",
+    "PromptSampler": "rlkit.sampler",
+    "MathAnswer": "rlkit.rewards",
+    "evaluation": "rlkit.evaluation",
 }
 
 __all__ = ["CheckpointError", "PlanError", "RlkitError", "TrainerError", "WorkerError", "__version__", *_LAZY]

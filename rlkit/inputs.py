@@ -310,6 +310,31 @@ def check_eval(config: TrainerConfig, task: Any, heldout: Any) -> None:
                            f"trainer.evaluate(k=...) between fit calls")
 
 
+def sampler_of(sampler: Any) -> Any:
+    """The Trainer's ``sampler=``: an ``rlkit.sampler.PromptSampler`` (None: the epoch order); a TrainerError
+    naming anything else."""
+    from rlkit.sampler import EpochSampler, PromptSampler
+
+    if sampler is None:
+        return EpochSampler()
+    if isinstance(sampler, type) and issubclass(sampler, PromptSampler):
+        raise TrainerError(f"sampler={sampler.__name__} is the class: pass an instance, e.g. sampler={sampler.__name__}()")
+    if not isinstance(sampler, PromptSampler):
+        raise TrainerError(f"sampler={sampler!r} is not an rlkit.sampler.PromptSampler: pass "
+                           f"rlkit.CurriculumSampler(), or subclass PromptSampler and override choose(rnd, k, n, seed)")
+    return sampler
+
+
+def sampled_rows(sampler: Any, rnd: int, k: int, n: int, seed: int) -> list[int]:
+    """``sampler.choose(...)``'s rows for round ``rnd``, checked: ``k`` row indices in ``range(n)``."""
+    rows = sampler.choose(rnd=rnd, k=k, n=n, seed=seed)
+    if (not isinstance(rows, (list, tuple)) or len(rows) != k
+            or not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < n for r in rows)):
+        raise TrainerError(f"{type(sampler).__name__}.choose(rnd={rnd}, k={k}, n={n}) returned {rows!r}: it must "
+                           f"return a list of {k} row indices in range({n})")
+    return [int(r) for r in rows]
+
+
 def check_off_policy(config: TrainerConfig, placement: Any) -> None:
     """Asynchronous RL overlaps generation with training on different workers: split placement only."""
     if config.off_policy_steps and placement.kind != "split":

@@ -94,7 +94,8 @@ class Trainer(TrainerIO):
                  plan: ParallelPlan | None = None, rollout: Rollout | None = None, cluster: Any = None,
                  config: TrainerConfig | None = None, callbacks: Sequence[Callable] = (),
                  placement: str | Placement = "colocated", rollout_workers: int = 1, tools: Sequence[Callable] | None = None,
-                 environment: Any = None, max_turns: int | None = None, multi_turn: Any = None, **overrides: Any):
+                 environment: Any = None, max_turns: int | None = None, multi_turn: Any = None, sampler: Any = None,
+                 **overrides: Any):
         # Everything is checked here, in the driver, before a worker starts: each error names the value.
         self.config = inputs.config_with(config, overrides)
         self.model_path = resolve_checkpoint(model)
@@ -138,6 +139,8 @@ class Trainer(TrainerIO):
         # the dataset's prompt batches (rounds of prompts_per_step rows) taken: by the steps trained, and asynchronous
         # RL's launched ahead (== step without dynamic sampling and off_policy_steps)
         self.rounds = 0
+        self.sampler = inputs.sampler_of(sampler)  # which rows each round takes (rlkit.sampler)
+        self._chosen: dict[int, list[int]] = {}    # its choice per round, asked once
         self.history = History()  # metrics rows, recent samples, when each phase ran
         self.kl_ctl = self.config.kl_controller()
         self.run_dir = Path(self.config.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
@@ -483,6 +486,10 @@ class Trainer(TrainerIO):
         if batch.next_round is not None:  # the dataset's rounds this step took (synchronous; async counts launches)
             self.rounds = batch.next_round
         row = batch.metrics_row(self.step, settings, actor, critic)
+        if batch.next_round is not None or self.config.off_policy_steps or self._stream is not None:
+            self.sampler.observe(batch.samples.row, batch.rewards.tolist())  # the dataset's rows (not your own)
+            row.update(self.sampler.metrics())
+            self._chosen = {r: rows for r, rows in self._chosen.items() if r >= self.rounds - 1}
         if self.config.eval_every and self.step % self.config.eval_every == 0:
             t0 = time.perf_counter()
             row.update(self._evaluate_in_fit())
@@ -523,14 +530,12 @@ class Trainer(TrainerIO):
         return self._prompts_of(self.rounds)
 
     def _prompts_of(self, rnd: int) -> list[dict[str, Any]]:
-        """Generation round ``rnd``'s ``prompts_per_step`` rows (0-based), epoch by epoch in a seeded order."""
-        n, k = len(self.rows), self.config.prompts_per_step
-        out = []
-        for i in range(rnd * k, rnd * k + k):
-            epoch, pos = divmod(i, n)
-            order = inputs.epoch_order(n, self.config.seed, epoch)
-            out.append(dict(self.rows[order[pos]], _row=order[pos]))
-        return out
+        """Generation round ``rnd``'s ``prompts_per_step`` rows (0-based), as the sampler chose them (by default
+        epoch by epoch in a seeded order); asked once per round, then the same rows whoever asks again."""
+        if rnd not in self._chosen:
+            self._chosen[rnd] = inputs.sampled_rows(self.sampler, rnd, self.config.prompts_per_step, len(self.rows),
+                                                    self.config.seed)
+        return [dict(self.rows[i], _row=i) for i in self._chosen[rnd]]
 
     def _advantages(self, samples: Batch, scores: torch.Tensor, mask: torch.Tensor,
                     sampling_logprobs: torch.Tensor | None) -> float | None:

@@ -36,6 +36,8 @@ class TrainerIO:
         from rlkit import checkpoint
 
         state = {"step": self.step, "rounds": self.rounds, "rows": self.history.rows, "kl_coef": getattr(self.kl_ctl, "value", None),
+                 "sampler": {"kind": type(self.sampler).__name__, "state": self.sampler.state_dict(),
+                             "chosen": {str(r): rows for r, rows in self._chosen.items() if r >= self.rounds}},
                  **self._state_config()}
         ahead = self._ahead.saved(self.config.timeout_s) if self._ahead else None
         if self._stream is not None:  # streaming: the running samples, the buffer, the chunk in flight (waited for)
@@ -87,9 +89,10 @@ class TrainerIO:
     @classmethod
     def load(cls, path: str | os.PathLike, dataset: Any, reward: Any = None, cluster: Any = None,
              callbacks: Sequence[Callable] = (), tools: Sequence[Callable] | None = None, environment: Any = None,
-             **overrides: Any) -> Self:
+             sampler: Any = None, **overrides: Any) -> Self:
         """Resume from ``save``: same model, plan, rollout and config; pass the same dataset and reward (and for
-        a multi-turn run the same ``tools`` / ``environment``: functions are not saved, the episode bounds are).
+        a multi-turn run the same ``tools`` / ``environment``: functions are not saved, the episode bounds are; and a
+        ``sampler`` of the same class, whose state the checkpoint restores).
 
         The checkpoint is checked in the driver before workers start (``rlkit.checkpoint``): a missing or
         damaged file, another model's checkpoint or a newer rlkit's is a ``CheckpointError`` naming the file
@@ -100,11 +103,17 @@ class TrainerIO:
         path = Path(path).expanduser().absolute()
         state, plan = checkpoint.verified_state(path)  # every check the driver can make, before any worker
         config = TrainerConfig(**{**state["config"], **overrides})
+        saved_sampler = state.get("sampler") or {"kind": "EpochSampler", "state": {}, "chosen": {}}
+        given = type(sampler).__name__ if sampler is not None else "EpochSampler"
+        if given != saved_sampler["kind"]:
+            raise TrainerError(f"{path} was trained with sampler {saved_sampler['kind']}, and this load has {given}: "
+                               f"pass sampler={saved_sampler['kind']}(...) (with the run's settings) so the rows it "
+                               f"chooses resume where they were")
         self = cls(state["model"], dataset, reward, state["algorithm"], plan=plan, tools=tools, environment=environment,
                    multi_turn=checkpoint.multi_turn_of(state, path, tools, environment),
                    rollout=Rollout(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["rollout"].items()}),
                    cluster=cluster, config=config, callbacks=callbacks, placement=state.get("placement", "colocated"),
-                   rollout_workers=state.get("rollout_workers") or 1)
+                   rollout_workers=state.get("rollout_workers") or 1, sampler=sampler)
         try:
             self.workers.load(str(path))  # the engines follow at the next step's sync
         except WorkerError as e:  # what the driver could not see: the workers' half-loaded state is dropped
@@ -121,6 +130,8 @@ class TrainerIO:
             self._ahead.restore(ahead)
         # the dataset's prompt batches taken (a checkpoint from before dynamic sampling: one per step and entry)
         self.rounds = state.get("rounds", self.step + len(ahead or []))
+        self.sampler.load_state_dict(saved_sampler["state"])
+        self._chosen = {int(r): rows for r, rows in saved_sampler["chosen"].items()}
         if state.get("kl_coef") is not None and hasattr(self.kl_ctl, "value"):
             self.kl_ctl.value = state["kl_coef"]
         # One truthful history: metrics.jsonl rolled back to the checkpoint at once (a crash now would leave
