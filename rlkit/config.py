@@ -44,6 +44,7 @@ class TrainerConfig:
     loss_agg: str = "token-mean"
     loss_options: dict[str, Any] | None = None  # the policy loss's own hyper-parameters, e.g. SAPO's {"tau_neg": 1.05}
     kl_coef: float = 0.0                 # 0: no reference model
+    teacher: str | None = None           # on-policy distillation: a checkpoint with the student's tokenizer, in the reference's place
     kl_kind: str = "low_var_kl"
     kl_in_reward: bool = False           # False: KL as a loss term (GRPO); True: penalty in the reward (PPO)
     kl_target: float | None = None       # with kl_in_reward: adaptive controller (Ziegler et al. 2019)
@@ -125,6 +126,9 @@ class TrainerConfig:
                                f"arguments, e.g. loss_options={{'tau_pos': 1.0, 'tau_neg': 1.05}} for SAPO")
         number("kl_coef", self.kl_coef, ge=0, hint="0 turns the KL term (and the reference model) off", **err)
         choice("kl_kind", self.kl_kind, KL_KINDS, **err)
+        if self.teacher is not None and not (isinstance(self.teacher, str) and self.teacher):
+            raise TrainerError(f"teacher={self.teacher!r} must be a checkpoint: a folder, a hub id or an "
+                               f"rlkit.models name (with the student's tokenizer), or None")
         boolean("kl_in_reward", self.kl_in_reward, **err)
         number("kl_target", self.kl_target, gt=0, none_ok=True, hint="e.g. kl_target=0.1 (None: fixed kl_coef)",
                **err)

@@ -335,6 +335,32 @@ def sampled_rows(sampler: Any, rnd: int, k: int, n: int, seed: int) -> list[int]
     return [int(r) for r in rows]
 
 
+def check_teacher(config: TrainerConfig, model_path: str, plan: ParallelPlan, passes: Any) -> str | None:
+    """``config.teacher``'s checkpoint folder, checked in the driver: a step that reads it (the reference pass:
+    ``algorithm="distill"``, or ``kl_coef > 0``), the student's tokenizer (the same vocabulary, token for token),
+    and a model the plan can shard. None without a teacher."""
+    if config.teacher is None:
+        return None
+    from transformers import AutoTokenizer
+
+    from rlkit.hub import resolve_checkpoint
+
+    if not passes.reference:
+        raise TrainerError(f"teacher={config.teacher!r} is read in the reference's place, and this run has no "
+                           f"reference pass: use algorithm='distill' (the teacher's advice as the advantage) or "
+                           f"kl_coef > 0 (the KL to the teacher as a loss term beside the reward)")
+    path = resolve_checkpoint(config.teacher)
+    student, teacher = AutoTokenizer.from_pretrained(model_path), AutoTokenizer.from_pretrained(path)
+    if student.get_vocab() != teacher.get_vocab() or student.eos_token != teacher.eos_token:
+        diff = sorted(set(teacher.get_vocab().items()) ^ set(student.get_vocab().items()))[:3]
+        raise TrainerError(f"teacher={config.teacher!r} has another tokenizer than the student {model_path!r} "
+                           f"({len(teacher)} vs {len(student)} tokens, eos {teacher.eos_token!r} vs "
+                           f"{student.eos_token!r}; first differences {diff}): per-token distillation compares "
+                           f"log-probs of the same token ids, so pick a teacher of the student's family")
+    plan.validate(model=path)
+    return path
+
+
 def check_off_policy(config: TrainerConfig, placement: Any) -> None:
     """Asynchronous RL overlaps generation with training on different workers: split placement only."""
     if config.off_policy_steps and placement.kind != "split":

@@ -129,6 +129,7 @@ class Trainer(TrainerIO):
         inputs.check_token_budget(self.config, self.layout)
         inputs.padding_free(self.config, self.plan)  # a token budget on a dp x pp plan fails here, before workers
         self.plan.validate(model=self.model_path)
+        self.teacher_path = inputs.check_teacher(self.config, self.model_path, self.plan, self.passes)
         inputs.check_lora(self.config, self.model_path, self.plan)
         self.backend = inputs.check_backend(self.config, self.plan, self.model_path, self.rollout)
         inputs.check_off_policy(self.config, self.placement)
@@ -162,7 +163,7 @@ class Trainer(TrainerIO):
         worker_kwargs = dict(rollout=self.rollout, actor_lr=c.lr, critic_lr=c.critic_lr, max_grad_norm=c.max_grad_norm,
                              need_ref=self.passes.reference, need_critic=self.passes.values, precision=c.precision,
                              padding_free=inputs.padding_free(c, self.plan), micro_batch_tokens=c.micro_batch_tokens,
-                             lora=c.lora, agent=self.agent, train_backend=self.backend)
+                             lora=c.lora, agent=self.agent, train_backend=self.backend, ref_path=self.teacher_path)
         self.workers, self.cluster = RLWorkers.start(
             self.placement, self.cluster, model_path=self.model_path, layout=self.layout,
             worker_kwargs=worker_kwargs, seed=c.seed, timeout_s=c.timeout_s, owner=self,

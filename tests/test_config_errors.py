@@ -46,6 +46,7 @@ TRAINER_CONFIG_BAD = {
                  ("token_mean", "did you mean 'token-mean'?")],
     "loss_options": [([("tau", 1.0)], "loss_options=[('tau', 1.0)] must be a dict of the policy loss's keyword")],
     "kl_coef": [(-0.1, "kl_coef=-0.1 must be a finite number >= 0"), (math.inf, "kl_coef=inf")],
+    "teacher": [("", "teacher='' must be a checkpoint"), (3, "teacher=3 must be a checkpoint")],
     "kl_kind": [("k7", "kl_kind='k7': choose one of ['k1', 'kl', 'abs', 'k2', 'mse', 'k3', 'low_var_kl']")],
     "kl_in_reward": [("yes", "kl_in_reward='yes' must be True or False")],
     "kl_target": [(0.1, "kl_target=0.1 adapts the KL penalty in the reward, so it needs kl_in_reward=True and "
@@ -241,6 +242,7 @@ def _trainer_arg_cases(tmp_path, model):
         "environment": [("env", "environment='env' must be a class or factory")],
         "max_turns": [(0, "max_turns=0 must be")],
         "multi_turn": [({"max_turns": 2}, "multi_turn={'max_turns': 2} must be an rlkit.MultiTurn(")],
+        "sampler": [("curriculum", "sampler='curriculum' is not an rlkit.sampler.PromptSampler")],
     }
 
 

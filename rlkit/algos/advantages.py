@@ -207,3 +207,27 @@ def reinforce_pp_baseline(scores: torch.Tensor, group_ids: Sequence[Any] | torch
     a = torch.where(count > 1, s - mean, torch.zeros_like(s))
     adv = masked_whiten(a[:, None].expand(m.shape), m)
     return adv, adv
+
+
+@register_advantage("distill", "on_policy_distillation")
+@torch.no_grad()
+def distill(scores: torch.Tensor, response_mask: torch.Tensor, ref_logprobs: torch.Tensor,
+            logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """On-policy distillation (Agarwal et al. 2024, GKD, arXiv:2306.13649; Thinking Machines 2025): each token of
+    the student's own sample is advised by a teacher, ``A_t = log pi_teacher(y_t) - log pi_student(y_t)``.
+
+    That is minus the per-token reverse KL's one-sample estimate (k1) at the sampled token, with no discount: a
+    policy gradient on it lowers ``KL(pi_student || pi_teacher)`` on the student's own distribution. The teacher's
+    log-probs arrive as ``ref_logprobs`` (``TrainerConfig(teacher=...)`` puts the teacher in the reference's
+    place) and ``logprobs`` are the sampling policy's. The rewards are not used: ``Trainer(algorithm="distill")``
+    is pure distillation; for the KL as a loss term beside a reward instead, keep the algorithm and set
+    ``teacher=`` with ``kl_coef > 0``. Returns ``(advantages, advantages)``.
+
+    >>> import torch
+    >>> distill(torch.zeros(1), torch.tensor([[1, 1, 0]]), torch.tensor([[-1., -2., -9.]]),
+    ...         torch.tensor([[-1.5, -1., -3.]]))[0]
+    tensor([[ 0.5000, -1.0000,  0.0000]])
+    """
+    m = as_bool(response_mask)
+    adv = torch.where(m, at_least_fp32(ref_logprobs) - at_least_fp32(logprobs), torch.zeros((), dtype=torch.float32))
+    return adv, adv

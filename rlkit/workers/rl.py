@@ -87,7 +87,8 @@ class RLWorker:
                  actor_lr: float, critic_lr: float = 1e-4, max_grad_norm: float | None = 1.0,
                  need_ref: bool = False, need_critic: bool = False, seed: int = 0, colocate_rollout: bool = True,
                  precision: str = "fp32", padding_free: bool = False, micro_batch_tokens: int | None = None,
-                 lora: Any = None, agent: Any = None, train_backend: Backend | None = None):
+                 lora: Any = None, agent: Any = None, train_backend: Backend | None = None,
+                 ref_path: str | None = None):
         from transformers import AutoConfig
 
         torch.manual_seed(seed)
@@ -102,8 +103,10 @@ class RLWorker:
             groups = build_groups(plan, tied_ends=bool(getattr(config, "tie_word_embeddings", False)) and plan.pp > 1)
         common = dict(max_grad_norm=max_grad_norm, seed=seed, eps=1e-6, precision=precision, groups=groups)
         self.actor = make_model(backend, model_path, plan, lr=actor_lr, lora=lora, **common)
-        # LoRA: the reference is the actor with its adapters off (no second copy of the model, as TRL and verl)
-        self.ref = make_model(backend, model_path, plan, lr=0.0, **common) if need_ref and lora is None else None
+        # LoRA: the reference is the actor with its adapters off (no second copy of the model, as TRL and verl);
+        # a distillation teacher (ref_path) takes the reference's place, sharded by the same plan
+        self.ref = make_model(backend, ref_path or model_path, plan, lr=0.0, **common) \
+            if need_ref and (lora is None or ref_path) else None
         self.critic = make_model(backend, model_path, plan, head="value", lr=critic_lr, **common) \
             if need_critic else None
         for model in (self.actor, self.ref):  # every loss and metric here reads the response's columns only
