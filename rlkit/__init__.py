@@ -61,6 +61,7 @@ _LAZY = {
     "CurriculumSampler": "rlkit.sampler",
     "PromptSampler": "rlkit.sampler",
     "MathAnswer": "rlkit.rewards",
+    "Judge": "rlkit.rewards",
     "evaluation": "rlkit.evaluation",
 }
 

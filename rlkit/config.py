@@ -79,6 +79,7 @@ class TrainerConfig:
     seed: int = 0
     run_dir: str | None = None           # metrics.jsonl, config.json, plots; None: ./runs/<time>
     timeout_s: float = 600.0             # bound on each worker call
+    reward_timeout_s: float = 60.0       # bound on each async reward's call (and a Judge's), per batch
     keep_samples: int = 512              # rows kept for samples()
     eval_every: int = 0                  # every N steps, eval/avg@k, pass@k, maj@k on the held-out split (0: off)
     eval_k: int = 1                      # samples per held-out prompt (1: greedy; more: sampled at the rollout's temperature)
@@ -101,6 +102,8 @@ class TrainerConfig:
         integer("lr_warmup_steps", self.lr_warmup_steps, ge=0, hint="0 turns warm-up off", **err)
         integer("seed", self.seed, ge=0, **err)
         integer("keep_samples", self.keep_samples, ge=0, hint="0 keeps no samples", **err)
+        number("reward_timeout_s", self.reward_timeout_s, gt=0, hint="seconds an async reward may take per batch, "
+               "e.g. 60", **err)
         integer("eval_every", self.eval_every, ge=0, hint="e.g. eval_every=10; 0 turns evaluation inside fit off",
                 **err)
         integer("eval_k", self.eval_k, hint="samples per held-out prompt, e.g. eval_k=8 for pass@8", **err)

@@ -121,7 +121,8 @@ class Trainer(TrainerIO):
         self.rows = self._render(rows)
         # an environment that rewards its episodes may be the only reward
         env_only = reward is None and self.task is None and self.agent is not None and environment is not None
-        self.rewards = RewardFunctions([]) if env_only else RewardFunctions.of(reward, self.task)
+        self.rewards = RewardFunctions([]) if env_only else RewardFunctions.of(reward, self.task,
+                                                                                self.config.reward_timeout_s)
         inputs.check_sizes(self.config, self.plan, self.rollout, self.algo)
         response_len = self.agent.response_len if self.agent is not None else self.rollout.max_new_tokens
         self.layout = SequenceLayout(inputs.longest_prompt(self.rows, self.tokenizer, self.model_path, response_len),
@@ -491,6 +492,7 @@ class Trainer(TrainerIO):
             self.sampler.observe(batch.samples.row, batch.rewards.tolist())  # the dataset's rows (not your own)
             row.update(self.sampler.metrics())
             self._chosen = {r: rows for r, rows in self._chosen.items() if r >= self.rounds - 1}
+        row.update(self.rewards.take_metrics())  # async rewards' timeouts, a judge's failures
         if self.config.eval_every and self.step % self.config.eval_every == 0:
             t0 = time.perf_counter()
             row.update(self._evaluate_in_fit())

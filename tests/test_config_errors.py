@@ -89,6 +89,7 @@ TRAINER_CONFIG_BAD = {
     "seed": [(-1, "seed=-1 must be an integer >= 0"), (1.5, "seed=1.5")],
     "run_dir": [(A_FILE, "is a file; metrics go in a folder"), (3, "run_dir=3 must be a folder path")],
     "timeout_s": [(0, "timeout_s=0 must be a finite number > 0")],
+    "reward_timeout_s": [(0, "reward_timeout_s=0 must be a finite number > 0")],
     "keep_samples": [(-1, "keep_samples=-1 must be an integer >= 0")],
     "eval_every": [(-1, "eval_every=-1 must be an integer >= 0"), (2.5, "eval_every=2.5")],
     "eval_k": [(0, "eval_k=0 must be a positive integer")],

@@ -11,7 +11,8 @@ Every reward here has TRL's batched signature ``f(prompts, completions, **column
 """
 
 from rlkit.rewards.functions import RewardFunctions
+from rlkit.rewards.judge import Judge, JudgeError
 from rlkit.rewards.math_answer import MathAnswer
 from rlkit.rewards.model import RewardModel, RewardModelError, tiny_reward_model
 
-__all__ = ["MathAnswer", "RewardFunctions", "RewardModel", "RewardModelError", "tiny_reward_model"]
+__all__ = ["Judge", "JudgeError", "MathAnswer", "RewardFunctions", "RewardModel", "RewardModelError", "tiny_reward_model"]
