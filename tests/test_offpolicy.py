@@ -158,18 +158,21 @@ def test_one_step_off_trains_every_batch_once_within_the_bound_and_resumes_exact
         # a step given up before its update (Ctrl-C in fit) puts its batch back: it is trained next, once
         given_up = tr.generate()
         tr._put_back(given_up)
+        in_flight = []   # at the end of each step: the batches sampling, launched by its generate, before its update
+        tr.callbacks = [lambda trainer, row: in_flight.append((row["step"], [e.step for e in trainer._ahead]))]
         rest = tr.fit(steps=2, view="none").iloc[2:]
+        tr.callbacks = []
         assert rest["offpolicy/staleness_max"].tolist() == [1.0, 1.0]
+        # the overlap: while step k trained, step k + 1's batch was in flight (0-based step k)
+        assert in_flight == [(3, [3]), (4, [4])]
         # each step trained on its own prompts, in order: the rows of steps 1..4, each once
         samples = tr.samples(last=4)
         assert len(samples) == 4 * 4 * 4
         for step in range(1, 5):
             trained = sorted(samples[samples.step == step]["prompt"])
             assert trained == sorted(r["prompt"] for r in tr._prompts_of(step - 1) for _ in range(4)), step
-        # the overlap, from the recorded times: step k + 1's generation began before step k's update ended
-        phases = _phases(tr)
-        for k in (1, 2, 3):
-            assert phases["generate", k + 1]["start"] < phases["update", k]["end"], (k, phases)
+        # (not from the recorded times: on a busy machine a worker may pick a launched generation up only after
+        # a short update has ended; the in-flight batches above are the overlap's cause, and stay true)
     finally:
         tr.close()
     again = Trainer.load(tmp_path / "ckpt", dataset=rlkit.tasks.repeat, run_dir=str(tmp_path / "resumed"))
