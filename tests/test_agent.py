@@ -376,35 +376,37 @@ def _same_episodes(gen: dict, want: dict, name: str) -> None:
     assert (gen["rollout_logprobs"] - want["rollout_logprobs"]).abs().max().item() < TOL, name
 
 
-def test_dp2_on_ray_the_generation_layout_and_split_placement_match_the_one_rank_run(tool_model, tmp_path, ray_cluster):
-    """Per-episode, per-turn seeds: dp=2 on Ray, the 3D-HybridEngine's generation layout (tp=2) and split
-    placement (the tools run on the rollout worker) sample the episodes a lone engine samples for their
-    chunks, and an update on the same batch gives the one-rank update's loss and gradient norm."""
+@pytest.mark.parametrize("name", ["dp2", pytest.param("hybrid", marks=pytest.mark.slow), "split"])
+def test_dp2_on_ray_the_generation_layout_and_split_placement_match_the_one_rank_run(tool_model, tmp_path, ray_cluster,
+                                                                                    name):
+    """Per-episode, per-turn seeds: dp=2 on Ray, the 3D-HybridEngine's generation layout (tp=2; make test-all:
+    the multi-turn variant of test_hybrid_engine's) and split placement (the tools run on the rollout worker)
+    sample the episodes a lone engine samples for their chunks, and an update on the same batch gives the
+    one-rank update's loss and gradient norm."""
     import copy
 
     layouts = {"dp2": dict(plan=rlkit.ParallelPlan(dp=2), cluster=ray_cluster),
                "hybrid": dict(plan=rlkit.ParallelPlan(tp=2), cluster=ray_cluster, rollout=_rollout(tp=2)),
                "split": dict(placement="split", cluster=ray_cluster)}
-    for name, kw in layouts.items():
-        tr = _trainer(tool_model, tmp_path, name, kl_coef=0.0, entropy_coef=0.0, **kw)
-        try:
-            batch = tr.generate()
-            want = _expected(tr, dp=tr.plan.dp)
-            assert all(e["tool_calls"] == 1 for e in want["episode"])
-            _same_episodes(batch.samples, want, name)
-            same = copy.deepcopy(batch)
-            row = tr.update(tr.estimate(batch))
-        finally:
-            tr.close()
-        one = _trainer(tool_model, tmp_path, f"one-{name}", kl_coef=0.0, entropy_coef=0.0)
-        try:
-            if name != "dp2":  # one DP replica: the one-rank run samples the very same episodes
-                _same_episodes(one.generate().samples, want, "one rank")
-            ref = one.update(one.estimate(same))
-        finally:
-            one.close()
-        for key in ("actor/loss", "actor/grad_norm", "reward/mean", "episode/tool_calls", "response_length/mean"):
-            assert row[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (name, key, row[key], ref[key])
+    tr = _trainer(tool_model, tmp_path, name, kl_coef=0.0, entropy_coef=0.0, **layouts[name])
+    try:
+        batch = tr.generate()
+        want = _expected(tr, dp=tr.plan.dp)
+        assert all(e["tool_calls"] == 1 for e in want["episode"])
+        _same_episodes(batch.samples, want, name)
+        same = copy.deepcopy(batch)
+        row = tr.update(tr.estimate(batch))
+    finally:
+        tr.close()
+    one = _trainer(tool_model, tmp_path, f"one-{name}", kl_coef=0.0, entropy_coef=0.0)
+    try:
+        if name != "dp2":  # one DP replica: the one-rank run samples the very same episodes
+            _same_episodes(one.generate().samples, want, "one rank")
+        ref = one.update(one.estimate(same))
+    finally:
+        one.close()
+    for key in ("actor/loss", "actor/grad_norm", "reward/mean", "episode/tool_calls", "response_length/mean"):
+        assert row[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-6), (name, key, row[key], ref[key])
 
 
 def test_a_multi_turn_checkpoint_resumes_exactly_and_asks_for_its_tools(tool_model, tmp_path):

@@ -76,7 +76,7 @@ def run_layout(tmp_path, path, nprocs, *args, ckpt=False):
 
 
 @pytest.mark.parametrize("arch, args", [
-    ("qwen2", ("--dp", "2")),
+    pytest.param("qwen2", ("--dp", "2"), marks=pytest.mark.slow),  # dp=2 without TP / PP: tp2 and pp2 cover DP's code
     ("qwen2", ("--tp", "2")),
     ("llama-tied", ("--pp", "2")),
     pytest.param("qwen2", ("--tp", "2", "--head", "value"), marks=pytest.mark.slow),  # the critic: make test-all
@@ -141,6 +141,8 @@ print("ok")
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # 40 steps, a learning claim: make test-all (tests/test_backends_trainer.py runs the backend
+# through Trainer fit / save / load in the default suite, and tutorial 10 trains on both)
 def test_grpo_learns_on_megatron(tmp_path):
     """GRPO on Megatron at tp=2 through the Trainer (Ray workers, HF rollout): 40 steps on 'repeat'.
     Measured: mean reward 0.021 over the first five steps, 0.164 over

@@ -110,6 +110,8 @@ def test_tp2_pp2_reshards_with_hybridflow_volumes_and_generates_the_single_engin
     _check(_run(4, ["1x2x2"], tmp_path), ["1x2x2"], 4)
 
 
+@pytest.mark.slow  # 8 ranks on this 2-core machine: make test-all (tp2 x pp2 and the tied model cover the resharding
+# in the default suite; tests/test_parallel.py trains 3D there)
 def test_3d_dp2_tp2_pp2_megatron_and_fsdp_layouts(tmp_path):
     # dp_shard="replicate" is Megatron's layout (HybridFlow's Table 2 as is); full_shard adds the DP
     # gather of each rank's TP shard: received = M/t_g - M/(tp*pp*dp), held = M/t_g + M/(tp*pp*dp)
