@@ -7,6 +7,26 @@ import pytest
 RAY_TEST_CPUS = 4  # logical CPUs: test actors sleep or all-reduce tiny tensors; 2 real cores are plenty
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_process_group_left(request):
+    """A test module that ends with this process still in a torch.distributed default process group would make
+    the next module that starts one fail ("initialize the default process group twice"), far from the cause:
+    the group is destroyed here and the module named in a warning (the run's warnings summary)."""
+    yield
+    import warnings
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from rlkit.workers import local
+
+        holders = [type(g.obj).__name__ if g.obj is not None else g.name for g in local._PG_USERS]
+        local._PG_USERS.clear()
+        dist.destroy_process_group()
+        warnings.warn(f"{request.module.__name__} left this process in a default process group (local groups "
+                      f"holding it: {holders}); destroyed", stacklevel=1)
+
+
 def ray_test_cluster():
     """The embedded test cluster. The same arguments return the live one (rlkit's registry), so tests
     share it; after a test replaced it (a real head, a 2-node cluster) the next call starts a new one."""
