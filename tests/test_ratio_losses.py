@@ -154,10 +154,13 @@ def _trl_loss(loss_type, level="token", epsilon_low=0.2, epsilon_high=0.2, tau_p
     """TRL 1.16's ``GRPOTrainer._compute_loss`` on the shared tensors: the trainer object is a namespace holding
     the attributes that method reads, its model forward replaced by our log-probs (what the loss is about), and
     a real single-process ``accelerate.Accelerator`` for its metric reductions."""
+    import torch.distributed as dist
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     lp, old, _, mask = _tensors(ADV_SEQ)
+    had_group = dist.is_initialized()
     fake = SimpleNamespace(
         _get_per_token_logps_and_entropies=lambda *a, **k: (lp, torch.zeros_like(lp), None),
         aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
@@ -171,8 +174,13 @@ def _trl_loss(loss_type, level="token", epsilon_low=0.2, epsilon_high=0.2, tau_p
               "completion_ids": torch.zeros(3, 4, dtype=torch.long), "completion_mask": mask,
               "advantages": torch.tensor(ADV_SEQ, dtype=torch.float64), "old_per_token_logps": old,
               "num_items_in_batch": mask.sum()}
-    loss = GRPOTrainer._compute_loss(fake, None, inputs)
-    loss.backward()
+    try:
+        loss = GRPOTrainer._compute_loss(fake, None, inputs)
+        loss.backward()
+    finally:  # accelerate's state, and the process group it may start (it does after a Ray test set RANK etc.)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        if not had_group and dist.is_initialized():
+            dist.destroy_process_group()
     return loss.item(), lp.grad.clone()
 
 
