@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from learn_stream import spread  # mean ± sd over seeds, as learn_stream.py prints it
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {
@@ -77,11 +78,6 @@ def run(config: str, seed: int, args: argparse.Namespace) -> dict:
     if line is None:
         raise SystemExit(f"{config} seed {seed} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
     return json.loads(line[len("RESULT "):])
-
-
-def spread(values: list[float]) -> str:
-    sd = statistics.stdev(values) if len(values) > 1 else float("nan")
-    return f"{statistics.mean(values):.3f} ± {sd:.3f}"
 
 
 def main() -> None:
