@@ -611,10 +611,14 @@ class Trainer(TrainerIO):
                                f"greedy=False (the rollout's temperature, {self.rollout.temperature}) or k=1")
         rows = inputs.heldout_rows(dataset, self.task, self._heldout, self.rows, n, self.config.seed + 1,
                                    self.config.prompt_column)
-        rows = rows if rows is self.rows else self._render(rows)  # the training rows are rendered already
+        held_out = rows is not self.rows
+        rows = self._render(rows) if held_out else rows  # the training rows are rendered already
         rows = [dict(r, _row=i) for i, r in enumerate(rows[:n])]
         rows = rows[:len(rows) - len(rows) % self.plan.dp] or rows
         overrides = {"n": k, **({"temperature": 0.0} if greedy else {})}
+        if held_out:  # its prompts may be longer than every training one: a wider layout for this call
+            overrides["prompt_len"] = inputs.longest_prompt(rows, self.tokenizer, self.model_path,
+                                                            self.layout.response_len)
         self.workers.sync_weights()
         if self._stream is not None:  # the chunks launched from here sample with these weights (their version)
             self._stream.engine_version = self.step

@@ -94,3 +94,19 @@ def test_eval_every_without_a_heldout_split_fails_before_any_worker(tmp_path):
     with pytest.raises(TrainerError, match="eval_every=5 scores a held-out split, and this dataset has none"):
         rlkit.Trainer(model=tiny_lm("qwen2", size="test"), dataset=rows, reward=lambda p, c, **kw: [0.0] * len(c),
                       eval_every=5, run_dir=str(tmp_path / "r"))
+
+
+def test_evaluate_takes_heldout_prompts_longer_than_every_training_prompt(tmp_path):
+    # the run's layout is as wide as its longest training prompt; a held-out prompt past it is laid out wider
+    train = [{"prompt": "ab"}, {"prompt": "cd"}]
+    held_out = [{"prompt": "a much longer held-out prompt than any training one, " * 3 + str(i)} for i in range(4)]
+    with rlkit.Trainer(model=tiny_lm("qwen2", size="test"), dataset=train, algorithm="grpo",
+                       reward=lambda p, c, **kw: [float(len(x)) for x in c],
+                       rollout=rlkit.Rollout(engine="hf", n=2, max_new_tokens=3, ignore_eos=True), prompts_per_step=2,
+                       run_dir=str(tmp_path / "run")) as tr:
+        width = tr.layout.prompt_len
+        longest = len(tr.tokenizer(held_out[0]["prompt"])["input_ids"])
+        out = tr.evaluate(held_out, n=4, k=2)
+        samples = tr.eval_samples
+    assert longest > width
+    assert out["n"] == 8 and len(samples) == 8 and samples["row"].nunique() == 4

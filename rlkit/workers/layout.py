@@ -127,9 +127,11 @@ class SequenceLayout:
 
 
 def generate_batch(engine: Any, layout: SequenceLayout, prompts: dict[str, Any], seed: int, *,
-                   first_index: int = 0, agent: Any = None, **overrides: Any) -> Batch:
+                   first_index: int = 0, agent: Any = None, prompt_len: int | None = None,
+                   **overrides: Any) -> Batch:
     """``engine.generate`` for ``prompts["prompt"]`` (seeded per prompt from ``seed``; ``first_index``: where
-    these prompts start in the call they are a slice of), packed by ``layout``. With an ``agent``
+    these prompts start in the call they are a slice of), packed by ``layout``, its prompt part widened to
+    ``prompt_len`` where that is longer (held-out prompts longer than any training prompt). With an ``agent``
     (``rlkit.agent.episodes.Agent``): its multi-turn episodes instead, the environment reset from
     ``prompts["env_row"]``.
 
@@ -143,6 +145,8 @@ def generate_batch(engine: Any, layout: SequenceLayout, prompts: dict[str, Any],
     Each sample's ``gen_window`` holds when this call ran on the worker: (start, end), seconds since the epoch
     (float64), so a step's generation can be placed against the trainer's other phases (``Trainer.timeline``).
     """
+    if prompt_len is not None and prompt_len > layout.prompt_len:
+        layout = SequenceLayout(prompt_len, layout.response_len)
     start = time.time()
     if agent is not None:
         from rlkit.agent.episodes import run_episodes
