@@ -32,6 +32,7 @@ def step_advantages(batch: Batch, scores: torch.Tensor, mask: torch.Tensor, *, c
     its measure. ``mask``: the tokens that carry loss (all zero: a sample without reward, a group of its
     own). Returns the mean KL (None when not measured)."""
     from rlkit.algos import (
+        ADVANTAGES,
         apply_kl_penalty,
         compute_advantages,
         estimator_options,
@@ -50,11 +51,13 @@ def step_advantages(batch: Batch, scores: torch.Tensor, mask: torch.Tensor, *, c
     # a sample with no reward (skipped, dropped) is a group of its own: it moves no baseline of the others
     skipped = ~mask.bool().any(1)
     groups = [("skipped", i) if s else u for i, (u, s) in enumerate(zip(batch.uid, skipped.tolist()))]
+    logprobs = sampling_logprobs if sampling_logprobs is not None else batch.rollout_logprobs
     adv, returns = compute_advantages(
         estimator, rewards, mask, values=batch.values, group_ids=groups, ref_logprobs=batch.ref_logprobs,
-        logprobs=sampling_logprobs if sampling_logprobs is not None else batch.rollout_logprobs,
-        **estimator_options(estimator, gamma=c.gamma, lam=c.lam))
+        logprobs=logprobs, **estimator_options(estimator, gamma=c.gamma, lam=c.lam))
     batch.advantages, batch.returns = adv * mask, returns
+    if ADVANTAGES.get(estimator) is ADVANTAGES["distill"] and kl_mean is None:  # what distillation drives down: the reverse KL to the teacher
+        kl_mean = masked_stat(logprobs - batch.ref_logprobs, mask, "mean")
     return kl_mean
 
 

@@ -335,11 +335,14 @@ def sampled_rows(sampler: Any, rnd: int, k: int, n: int, seed: int) -> list[int]
     return [int(r) for r in rows]
 
 
-def check_teacher(config: TrainerConfig, model_path: str, plan: ParallelPlan, passes: Any) -> str | None:
+def check_teacher(config: TrainerConfig, model_path: str, placement: Any, passes: Any) -> str | None:
     """``config.teacher``'s checkpoint folder, checked in the driver: a step that reads it (the reference pass:
     ``algorithm="distill"``, or ``kl_coef > 0``), the student's tokenizer (the same vocabulary, token for token),
-    and a model the plan can shard. None without a teacher."""
+    and a model its plan can shard (the teacher pool's, else the actor's). None without a teacher."""
     if config.teacher is None:
+        if placement.teacher_plan is not None:
+            raise TrainerError(f"the placement has a teacher pool ({placement.teacher_plan.describe()}) and the run "
+                               f"has no teacher: set TrainerConfig(teacher=<checkpoint>) or drop the teacher role")
         return None
     from transformers import AutoTokenizer
 
@@ -357,7 +360,11 @@ def check_teacher(config: TrainerConfig, model_path: str, plan: ParallelPlan, pa
                            f"({len(teacher)} vs {len(student)} tokens, eos {teacher.eos_token!r} vs "
                            f"{student.eos_token!r}; first differences {diff}): per-token distillation compares "
                            f"log-probs of the same token ids, so pick a teacher of the student's family")
-    plan.validate(model=path)
+    if placement.teacher_plan is not None and config.backend.name != "torch":
+        raise TrainerError(f"a teacher pool of its own runs on the torch backend, and this run has "
+                           f"backend={config.backend.name!r}: drop the placement's teacher role (the teacher then "
+                           f"takes the reference's place in the {config.backend.name} workers) or use backend='torch'")
+    (placement.teacher_plan or placement.plan).validate(model=path)
     return path
 
 

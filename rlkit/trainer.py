@@ -67,7 +67,8 @@ class Trainer(TrainerIO):
         placement: "colocated" (HybridEngine: one engine per DP group on the actor's workers, weights
             streamed in place), "split" (``rollout_workers`` engines on their own workers; weights
             gathered to the actor's rank 0 and sent from there over a weight channel), or an
-            ``rlkit.Placement`` mapping the roles to pools by hand (the same two shapes).
+            ``rlkit.Placement`` mapping the roles to pools by hand (the same two shapes, and a distillation
+            teacher's pool of its own: ``Placement.colocated(plan, teacher=ParallelPlan(tp=2))``).
         tools: multi-turn rollouts with tools: plain typed functions with Google-style docstrings (TRL's
             convention), e.g. ``def calculator(expression: str) -> str``. The model calls them in the Hermes
             ``<tool_call>`` format, rendered by its chat template (``rlkit.agent.chat``); they run on the
@@ -130,7 +131,7 @@ class Trainer(TrainerIO):
         inputs.check_token_budget(self.config, self.layout)
         inputs.padding_free(self.config, self.plan)  # a token budget on a dp x pp plan fails here, before workers
         self.plan.validate(model=self.model_path)
-        self.teacher_path = inputs.check_teacher(self.config, self.model_path, self.plan, self.passes)
+        self.teacher_path = inputs.check_teacher(self.config, self.model_path, self.placement, self.passes)
         inputs.check_lora(self.config, self.model_path, self.plan)
         self.backend = inputs.check_backend(self.config, self.plan, self.model_path, self.rollout)
         inputs.check_off_policy(self.config, self.placement)

@@ -22,7 +22,9 @@ from rlkit.config import TrainerConfig
 from rlkit.errors import TrainerError
 from rlkit.history import History
 from rlkit.parallel.lora import lora_to_dict
+from rlkit.plan.topology import ParallelPlan
 from rlkit.rollout import Rollout
+from rlkit.workers.placement import Placement
 
 
 class TrainerIO:
@@ -109,11 +111,17 @@ class TrainerIO:
             raise TrainerError(f"{path} was trained with sampler {saved_sampler['kind']}, and this load has {given}: "
                                f"pass sampler={saved_sampler['kind']}(...) (with the run's settings) so the rows it "
                                f"chooses resume where they were")
+        placement, rollout_workers = state.get("placement", "colocated"), state.get("rollout_workers") or 1
+        if state.get("teacher_plan"):  # the teacher's pool of its own, as the run had it
+            teacher = ParallelPlan(**state["teacher_plan"])
+            placement = Placement.split(plan, rollout_workers, teacher=teacher) if placement == "split" else \
+                Placement.colocated(plan, teacher=teacher)
+            rollout_workers = 1
         self = cls(state["model"], dataset, reward, state["algorithm"], plan=plan, tools=tools, environment=environment,
                    multi_turn=checkpoint.multi_turn_of(state, path, tools, environment),
                    rollout=Rollout(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["rollout"].items()}),
-                   cluster=cluster, config=config, callbacks=callbacks, placement=state.get("placement", "colocated"),
-                   rollout_workers=state.get("rollout_workers") or 1, sampler=sampler)
+                   cluster=cluster, config=config, callbacks=callbacks, placement=placement,
+                   rollout_workers=rollout_workers, sampler=sampler)
         try:
             self.workers.load(str(path))  # the engines follow at the next step's sync
         except WorkerError as e:  # what the driver could not see: the workers' half-loaded state is dropped
@@ -140,9 +148,12 @@ class TrainerIO:
         return self
 
     def _state_config(self) -> dict[str, Any]:
-        plan = {f.name: getattr(self.plan, f.name) for f in dataclasses.fields(self.plan) if f.init}
-        return {"model": self.model_path, "algorithm": self.algorithm, "plan": plan, "placement": self.placement.kind,
-                "rollout_workers": self.placement.rollout_workers,
+        def fields(plan: Any) -> dict[str, Any] | None:
+            return None if plan is None else {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.init}
+
+        return {"model": self.model_path, "algorithm": self.algorithm, "plan": fields(self.plan),
+                "placement": self.placement.kind, "rollout_workers": self.placement.rollout_workers,
+                "teacher_plan": fields(self.placement.teacher_plan),
                 "rollout": dataclasses.asdict(self.rollout),
                 "config": {**dataclasses.asdict(self.config), "lora": lora_to_dict(self.config.lora)},
                 "multi_turn": None if self.agent is None else {

@@ -8,8 +8,9 @@ from _logprob_ref import layout_logprobs
 from transformers import AutoModelForCausalLM
 
 import rlkit
-from rlkit.errors import TrainerError
+from rlkit.errors import PlanError, TrainerError
 from rlkit.models import tiny_lm
+from rlkit.plan import ParallelPlan
 
 torch.set_num_threads(1)
 
@@ -41,6 +42,8 @@ def test_distill_advises_each_token_by_the_teachers_log_prob(tmp_path):
         assert s.advantages[mask].abs().mean() > 0.1   # a teacher of other weights disagrees
         row = tr.update(batch)
         assert row["actor/grad_norm"] > 0 and tr.step == 1
+        # the step's "kl": the reverse KL's sample mean over the tokens, log pi_student - log pi_teacher
+        assert row["kl"] == pytest.approx((s.rollout_logprobs - want)[mask].mean().item(), abs=1e-4)
 
 
 def test_a_teacher_beside_a_reward_is_the_kl_term(tmp_path):
@@ -64,3 +67,36 @@ def test_a_teacher_with_another_tokenizer_or_no_reference_pass_is_refused_before
         _trainer(tmp_path, "tok", algorithm="distill", teacher=tiny_lm("qwen2", size="test", vocab_size=384))
     with pytest.raises(TrainerError, match="this run has no reference pass: use algorithm='distill'"):
         _trainer(tmp_path, "noref", algorithm="grpo", teacher=tiny_lm("qwen2", size="test"))
+    with pytest.raises(TrainerError, match=r"has a teacher pool \(dp=1 x tp=2 x pp=1 = 2 ranks; DP full_shard\) "
+                                           r"and the run has no teacher"):
+        _trainer(tmp_path, "nopool", algorithm="grpo",
+                 placement=rlkit.Placement.colocated(ParallelPlan(), teacher=ParallelPlan(tp=2)))
+    with pytest.raises(TrainerError, match="a teacher pool of its own runs on the torch backend, and this run has "
+                                           "backend='megatron'"):
+        _trainer(tmp_path, "mpool", algorithm="distill", teacher=tiny_lm("qwen2", size="test"), backend="megatron",
+                 placement=rlkit.Placement.colocated(ParallelPlan(), teacher=ParallelPlan(tp=2)))
+    with pytest.raises(PlanError, match="the teacher is mapped to pool 'train', which another role uses"):
+        rlkit.Placement(pools={"train": ParallelPlan()}, roles={"actor": "train", "teacher": "train"})
+    with pytest.raises(PlanError, match="the teacher's pool 't' must be a ParallelPlan"):
+        rlkit.Placement(pools={"train": ParallelPlan(), "t": 2}, roles={"actor": "train", "teacher": "t"})
+
+
+def test_a_teacher_on_a_pool_of_its_own_sharded_by_its_plan(tmp_path):
+    """The teacher on two ranks of its own (tensor-parallel), the student on one: the same log-probs as a plain
+    transformers forward of the teacher's folder; the actor's workers hold no reference; a checkpoint keeps the
+    teacher's pool."""
+    teacher = tiny_lm("qwen2", size="small", seed=1)
+    placement = rlkit.Placement.colocated(ParallelPlan(), teacher=ParallelPlan(tp=2))
+    with _trainer(tmp_path, "pool", algorithm="distill", teacher=teacher, placement=placement) as tr:
+        assert tr.workers.teacher_group.world_size == 2
+        assert tr.workers.group.apply(lambda w: w.ref is None) == [True]
+        batch = tr.estimate(tr.generate())
+        s, mask = batch.samples, batch.samples.loss_tokens.bool()
+        want = _teacher_logprobs(teacher, s, tr.layout.prompt_len)
+        assert (s.ref_logprobs - want)[mask].abs().max() < 1e-4
+        assert (s.advantages - (want - s.rollout_logprobs))[mask].abs().max() < 1e-4
+        tr.update(batch)
+        tr.save(tmp_path / "ckpt")
+    with rlkit.Trainer.load(tmp_path / "ckpt", rlkit.tasks.repeat) as again:
+        assert again.placement.teacher_plan == ParallelPlan(tp=2) and again.step == 1
+        assert again.workers.teacher_group.world_size == 2

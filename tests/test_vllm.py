@@ -345,3 +345,22 @@ def test_streaming_with_partial_rollouts_on_vllm(tmp_path):
         assert crossed > 0
     finally:
         tr.close()
+
+
+def test_a_judge_on_the_vllm_engine_scores_like_the_hf_one(tmp_path):
+    """rlkit.Judge(engine="vllm"): the same judge prompts answered by vLLM, batched and greedy. The judge is the
+    hand-set model that always answers "7" (tests/_seven.py), at a head size vLLM's CPU attention takes."""
+    from _seven import always_seven
+
+    from rlkit.rewards import Judge
+
+    seven = always_seven(tmp_path / "seven", num_attention_heads=2, num_key_value_heads=1)
+    template = "Question: {prompt}\nAnswer: {completion}\nScore from 0 to 10:"
+    judges = {engine: Judge(seven, template, engine=engine, max_new_tokens=1) for engine in ("vllm", "hf")}
+    try:
+        scores = {e: j(["1+1?", "2+2?", "3+3?"], ["2", "5", "six"]) for e, j in judges.items()}
+        assert scores["vllm"] == scores["hf"] == [0.7, 0.7, 0.7]
+        assert judges["vllm"].failures == {}
+    finally:
+        for judge in judges.values():
+            judge.close()

@@ -33,6 +33,8 @@ class MathAnswer:
 
     >>> MathAnswer.answer_of("so <answer> 7 </answer> or <answer>8</answer><|endoftext|>")
     '8'
+    >>> MathAnswer.answer_of("4 + 3 makes 7."), MathAnswer.answer_of("half: \\\\boxed{\\\\frac{2}{4}}")
+    ('7', '1/2')
     """
 
     __name__ = "math_answer"
@@ -47,11 +49,24 @@ class MathAnswer:
         self.answer_column, self.timeout_s, self.failures = answer_column, timeout_s, 0
 
     @staticmethod
-    def answer_of(completion: Any) -> str:
-        """The completion's final answer: inside its last ``<answer>`` tags, else all its text, stripped."""
+    def final_text(completion: Any) -> str:
+        """The text holding the completion's final answer: inside its last ``<answer>`` tags, else all of it."""
         text = completion_text(completion)
         tagged = _ANSWER_TAG.findall(text)
         return (tagged[-1] if tagged else text).strip()
+
+    @classmethod
+    def answer_of(cls, completion: Any) -> str:
+        """The completion's final answer as math-verify reads it (what maj@k votes on, so "= 7." and "is 7"
+        agree), as text; the ``final_text`` itself where math-verify reads no answer."""
+        text = completion_text(completion)
+        final = cls.final_text(text)
+        timeout = 5 if threading.current_thread() is threading.main_thread() else None
+        try:
+            found = cls._parse(final, bool(_ANSWER_TAG.search(text)), timeout)
+        except Exception:  # math-verify's own timeout or a parser error: vote on the text
+            found = None
+        return str(found[0]) if found else final
 
     @staticmethod
     def _parse(text: str, bare: bool, timeout: int | None) -> list[Any]:
@@ -76,7 +91,7 @@ class MathAnswer:
             try:
                 text = completion_text(completion)
                 target = self._parse(str(answer), True, timeout)
-                pred = self._parse(self.answer_of(text), bool(_ANSWER_TAG.search(text)), timeout)
+                pred = self._parse(self.final_text(text), bool(_ANSWER_TAG.search(text)), timeout)
                 ok = bool(target and pred and verify(target, pred, timeout_seconds=timeout))
             except Exception:  # math-verify's own timeout or a parser error: this answer is not verified
                 self.failures += 1

@@ -6,10 +6,14 @@ roles are
 * ``"actor"``: the ``RLWorker`` group, one rank per device of the actor's ``ParallelPlan``. It hosts the
   actor, the reference model and the critic (fused, like verl's ActorRolloutRef worker), and, when the
   rollout is colocated (the HybridEngine), the rollout engines too;
-* ``"rollout"``: a ``RolloutWorker`` group of its own (split placement), ``n`` engines on their own devices.
+* ``"rollout"``: a ``RolloutWorker`` group of its own (split placement), ``n`` engines on their own devices;
+* ``"teacher"``: a distillation teacher (``TrainerConfig.teacher``) on a pool of its own, a ``TeacherWorker``
+  group sharded by that pool's ``ParallelPlan`` (``rlkit.workers.teacher``). Unmapped, the teacher takes the
+  reference's place in the actor's workers, sharded by the actor's plan.
 
 ``Placement.colocated(plan)`` maps only the actor (the engines live in its workers);
-``Placement.split(plan, n)`` maps the rollout to a second pool of ``n`` devices. A placement reserves its
+``Placement.split(plan, n)`` maps the rollout to a second pool of ``n`` devices; either takes
+``teacher=ParallelPlan(...)`` for a teacher pool. A placement reserves its
 pools with ``Cluster.role_pools(placement.pools, placement.roles)``, so a hand-written mapping and the
 Trainer's ``placement="colocated" | "split"`` are the same thing:
 
@@ -19,6 +23,9 @@ Trainer's ``placement="colocated" | "split"`` are the same thing:
 ({'actor': 'train', 'rollout': 'gen'}, {'train': 2, 'gen': 1}, 3)
 >>> Placement(pools={"train": ParallelPlan(dp=2), "gen": 1}, roles={"actor": "train", "rollout": "gen"}) == p
 True
+>>> t = Placement.colocated(ParallelPlan(dp=2), teacher=ParallelPlan(dp=2))
+>>> t.roles, t.teacher_plan.world_size, t.world_size
+({'actor': 'train', 'teacher': 'teacher'}, 2, 4)
 """
 
 from __future__ import annotations
@@ -29,13 +36,14 @@ from typing import Any
 from rlkit.errors import PlanError
 from rlkit.plan.topology import ParallelPlan
 
-ROLES = ("actor", "rollout")
+ROLES = ("actor", "rollout", "teacher")
 
 
 @dataclass(frozen=True)
 class Placement:
     """Pools of devices by name (a ``ParallelPlan`` or a number of workers) and the pool of each worker
-    role (``"actor"``, and ``"rollout"`` for split placement). Checked on construction."""
+    role (``"actor"``, ``"rollout"`` for split placement, ``"teacher"`` for a teacher pool). Checked on
+    construction."""
 
     pools: dict[str, ParallelPlan | int] = field(default_factory=dict)
     roles: dict[str, str] = field(default_factory=dict)
@@ -64,16 +72,31 @@ class Placement:
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise PlanError(f"the rollout pool {self.roles['rollout']!r} must be a positive number of workers "
                                 f"(each one engine), got {n!r}")
+        if "teacher" in self.roles:
+            pool = self.roles["teacher"]
+            if pool in (self.roles["actor"], self.roles.get("rollout")):
+                raise PlanError(f"the teacher is mapped to pool {pool!r}, which another role uses: a teacher in the "
+                                f"actor's workers is the default (leave the teacher role out), or give it a pool of "
+                                f"its own")
+            if not isinstance(self.pools[pool], ParallelPlan):
+                raise PlanError(f"the teacher's pool {pool!r} must be a ParallelPlan (how the teacher is sharded "
+                                f"over its ranks), got {self.pools[pool]!r}; e.g. ParallelPlan(dp=2)")
 
     @classmethod
-    def colocated(cls, plan: ParallelPlan) -> Placement:
-        """The HybridEngine: the engines run inside the actor's workers."""
-        return cls(pools={"train": plan}, roles={"actor": "train"})
+    def colocated(cls, plan: ParallelPlan, teacher: ParallelPlan | None = None) -> Placement:
+        """The HybridEngine: the engines run inside the actor's workers (a ``teacher`` plan: a teacher pool)."""
+        return cls(pools={"train": plan}, roles={"actor": "train"})._with_teacher(teacher)
 
     @classmethod
-    def split(cls, plan: ParallelPlan, rollout_workers: int = 1) -> Placement:
-        """``rollout_workers`` engines on devices of their own."""
-        return cls(pools={"train": plan, "gen": rollout_workers}, roles={"actor": "train", "rollout": "gen"})
+    def split(cls, plan: ParallelPlan, rollout_workers: int = 1, teacher: ParallelPlan | None = None) -> Placement:
+        """``rollout_workers`` engines on devices of their own (a ``teacher`` plan: a teacher pool)."""
+        return cls(pools={"train": plan, "gen": rollout_workers},
+                   roles={"actor": "train", "rollout": "gen"})._with_teacher(teacher)
+
+    def _with_teacher(self, teacher: ParallelPlan | None) -> Placement:
+        if teacher is None:
+            return self
+        return Placement(pools={**self.pools, "teacher": teacher}, roles={**self.roles, "teacher": "teacher"})
 
     @classmethod
     def of(cls, placement: Any, plan: ParallelPlan, rollout_workers: int = 1) -> Placement:
@@ -119,9 +142,14 @@ class Placement:
         return self.pools[self.roles["rollout"]] if "rollout" in self.roles else 0
 
     @property
+    def teacher_plan(self) -> ParallelPlan | None:
+        """The teacher pool's ParallelPlan (None: the teacher, if any, is in the actor's workers)."""
+        return self.pools[self.roles["teacher"]] if "teacher" in self.roles else None
+
+    @property
     def world_size(self) -> int:
         """Worker processes in all."""
-        return self.plan.world_size + self.rollout_workers
+        return self.plan.world_size + self.rollout_workers + (self.teacher_plan.world_size if self.teacher_plan else 0)
 
     def reserve(self, cluster: Any, **placement: Any) -> dict[str, Any]:
         """Reserve the pools on ``cluster`` (``Cluster.role_pools``): role -> ResourcePool."""

@@ -31,6 +31,7 @@ from rlkit.workers.base import BaseWorkerGroup
 from rlkit.workers.layout import SequenceLayout
 from rlkit.workers.placement import Placement
 from rlkit.workers.rl import WEIGHT, RLWorker, RolloutWorker, SyncReport, UpdateSettings, is_maximum
+from rlkit.workers.teacher import TeacherWorker
 
 
 class RLWorkers:
@@ -38,8 +39,10 @@ class RLWorkers:
     docstring. Every call waits at most ``timeout_s`` seconds."""
 
     def __init__(self, group: BaseWorkerGroup, rollout_group: BaseWorkerGroup | None, placement: Placement,
-                 layout: SequenceLayout, timeout_s: float, balance: bool = False, env_rows: bool = False):
+                 layout: SequenceLayout, timeout_s: float, balance: bool = False, env_rows: bool = False,
+                 teacher_group: BaseWorkerGroup | None = None):
         self.group, self.rollout_group, self.placement = group, rollout_group, placement
+        self.teacher_group = teacher_group  # a teacher pool's TeacherWorker group (None: in the actor's workers)
         self.layout, self.timeout_s = layout, timeout_s
         self.balance = balance
         self.env_rows = env_rows  # multi-turn with an environment: requests carry each prompt's dataset row
@@ -71,6 +74,9 @@ class RLWorkers:
                 if obj is not None:
                     ship_by_value(obj)
         args = (model_path, plan)
+        teacher_path = worker_kwargs.get("ref_path")
+        if placement.teacher_plan is not None:  # the teacher scores on its own pool: no reference in the actor's
+            worker_kwargs = dict(worker_kwargs, need_ref=False, ref_path=None)
         kwargs = dict(worker_kwargs, layout=layout, seed=seed,
                       colocate_rollout=placement.kind == "colocated")
         if cluster is None and placement.world_size == 1:
@@ -108,6 +114,16 @@ class RLWorkers:
                                             init_process_group=False, pool=pools["rollout"], owns_pool=True,
                                             timeout_s=timeout_s, name="rollout", owner=owner)
                 held.append(rollout_group)
+            teacher_group = None
+            if "teacher" in pools:
+                teacher_group = WorkerGroup(cluster, placement.teacher_plan, TeacherWorker, teacher_path,
+                                            placement.teacher_plan, layout=layout, seed=seed,
+                                            precision=worker_kwargs.get("precision", "fp32"),
+                                            padding_free=bool(worker_kwargs.get("padding_free")),
+                                            micro_batch_tokens=worker_kwargs.get("micro_batch_tokens"),
+                                            pool=pools["teacher"],
+                                            owns_pool=True, timeout_s=timeout_s, name="teacher", owner=owner)
+                held.append(teacher_group)
         except BaseException:
             for g in reversed(held):
                 g.shutdown(polite=False)
@@ -116,7 +132,7 @@ class RLWorkers:
             held.clear()
             raise
         return cls(group, rollout_group, placement, layout, timeout_s, balance=bool(worker_kwargs.get("padding_free")),
-                   env_rows=env_rows), cluster
+                   env_rows=env_rows, teacher_group=teacher_group), cluster
 
     # ---- the dataflow's calls --------------------------------------------------------------------
     def sync_weights(self) -> list[SyncReport]:
@@ -200,7 +216,10 @@ class RLWorkers:
         self._channel_open = True
 
     def ref_logprobs(self, batch: Batch) -> torch.Tensor:
-        """The reference model's log-probs of the response tokens."""
+        """The reference model's log-probs of the response tokens (a teacher pool's, where there is one)."""
+        if self.teacher_group is not None:
+            return self.teacher_group.call_dp(TeacherWorker.ref_logprobs, Batch.of(batch),
+                                              timeout=self.timeout_s)["ref_logprobs"]
         return self._call_dp(RLWorker.ref_logprobs, batch)["ref_logprobs"]
 
     def values(self, batch: Batch) -> torch.Tensor:
@@ -255,7 +274,7 @@ class RLWorkers:
 
     def close(self) -> None:
         """Close the workers politely (bounded), then shut the groups down. Idempotent."""
-        for group in (self.rollout_group, self.group):
+        for group in (self.teacher_group, self.rollout_group, self.group):
             if group is None:
                 continue
             try:
