@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+import learn_losses
 from learn_losses import TASK, TASK_CONFIG
 from learn_stream import spread  # mean ± sd over seeds
 
@@ -95,15 +94,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run(config: str, seed: int, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "--config", config, "--seed", str(seed), "--steps", str(args.steps),
-           "--n", str(args.n), "--prompts", str(args.prompts), "--lr", str(args.lr), "--k", str(args.k),
-           "--questions", str(args.questions), "--held-out", str(args.held_out), "--tokens", str(args.tokens),
-           "--drop", args.drop]
-    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=7200)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if line is None:
-        raise SystemExit(f"{config} seed {seed} failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
-    return json.loads(line[len("RESULT "):])
+    return learn_losses.run(config, seed, args, __file__, learn_losses.WORKER_FLAGS + ("drop",))
 
 
 def main() -> None:

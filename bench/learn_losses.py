@@ -1,7 +1,7 @@
 """GRPO, Dr.GRPO, GSPO, CISPO and GRPO with the curriculum on the real SmolLM2-135M-Instruct, the same budget
 each, over seeds (issue 41): pass@1 and pass@8 on held-out questions before and after, steps/s, clip fractions.
 
-    .venv/bin/python bench/learn_losses.py                       # 2 seeds x 5 runs
+    .venv/bin/python bench/learn_losses.py --steps 6 --lr 3e-5   # 2 seeds x 5 runs, ~55 minutes
     .venv/bin/python bench/learn_losses.py --seeds 1 --steps 2   # smoke test
 
 Task: reasoning-gym's ``basic_arithmetic`` (two 1-digit terms, e.g. "Calculate ( -4 + -5 )."), asked in a chat,
@@ -11,7 +11,7 @@ scored by ``rlkit.MathAnswer`` (math-verify: 1 for the right number anywhere it 
 moves off the sampling one and the losses' ratios matter: with one epoch all of them are the plain policy
 gradient). Held out: 24 test questions (never in training) sampled 8 times at temperature 1
 (``trainer.evaluate(k=8)``: pass@1, pass@8 by Chen et al.'s estimator, maj@8 voting on math-verify's reading of
-each answer). "before" is the starting model, evaluated once per seed. The losses at their papers' settings: GSPO
+each answer, ``MathAnswer.answer_of``). "before" is the starting model, evaluated once per seed. The losses at their papers' settings: GSPO
 clips the sequence ratio at 3e-4 / 4e-4 with the mean over sequences; CISPO truncates at 1 + 4 (ScaleRL's
 epsilon_max 5).
 
@@ -41,16 +41,6 @@ CONFIGS = {
 }
 
 
-def vote_key(completion: str) -> str:
-    """What maj@k votes on: math-verify's reading of the final answer (so "= 7." and "is 7" agree), else the text."""
-    from math_verify import parse
-
-    from rlkit.rewards.math_answer import MathAnswer
-
-    found = parse(MathAnswer.answer_of(completion))
-    return str(found[0]) if found else completion.strip()
-
-
 def worker(args: argparse.Namespace) -> None:
     import torch
 
@@ -60,11 +50,8 @@ def worker(args: argparse.Namespace) -> None:
     task = rlkit.tasks.reasoning_gym(TASK, chat=True, test_fraction=0.3, **TASK_CONFIG)
     held_out = task(n=args.held_out, split="test")
 
-    def held_out_scores(tr: rlkit.Trainer) -> dict:
-        tr.evaluate(held_out, n=len(held_out), k=args.k)
-        groups = [[(r, vote_key(c)) for r, c in zip(g["reward"], g["completion"])]
-                  for _, g in tr.eval_samples.groupby("row")]
-        return rlkit.evaluation.scores(groups)
+    def held_out_scores(tr: rlkit.Trainer) -> dict:  # maj@k votes on MathAnswer.answer_of (math-verify's reading)
+        return tr.evaluate(held_out, n=len(held_out), k=args.k)
 
     def trainer(kw: dict, sampler=None) -> rlkit.Trainer:
         return rlkit.Trainer(model=rlkit.models.pretrained("smollm2-135m-instruct"), dataset=task(n=args.questions),
@@ -92,10 +79,15 @@ def worker(args: argparse.Namespace) -> None:
                                   "train_reward": df["reward/mean"].tolist()}), flush=True)
 
 
-def run(config: str, seed: int, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "--config", config, "--seed", str(seed), "--steps", str(args.steps),
-           "--n", str(args.n), "--prompts", str(args.prompts), "--lr", str(args.lr), "--k", str(args.k),
-           "--questions", str(args.questions), "--held-out", str(args.held_out), "--tokens", str(args.tokens)]
+WORKER_FLAGS = ("steps", "n", "prompts", "lr", "k", "questions", "held_out", "tokens")
+
+
+def run(config: str, seed: int, args: argparse.Namespace, script: str = __file__,
+        flags: tuple[str, ...] = WORKER_FLAGS) -> dict:
+    """One run of ``script --worker`` in a fresh process, with ``args``' ``flags``; its RESULT line."""
+    cmd = [sys.executable, script, "--worker", "--config", config, "--seed", str(seed)]
+    for flag in flags:
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=7200)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     if line is None:

@@ -5,6 +5,7 @@ beside a reward, and the driver's errors."""
 import pytest
 import torch
 from _logprob_ref import layout_logprobs
+from _require import need_module
 from transformers import AutoModelForCausalLM
 
 import rlkit
@@ -100,3 +101,17 @@ def test_a_teacher_on_a_pool_of_its_own_sharded_by_its_plan(tmp_path):
     with rlkit.Trainer.load(tmp_path / "ckpt", rlkit.tasks.repeat) as again:
         assert again.placement.teacher_plan == ParallelPlan(tp=2) and again.step == 1
         assert again.workers.teacher_group.world_size == 2
+
+
+@pytest.mark.parametrize("backend", ["megatron", "deepspeed"])
+def test_a_colocated_teacher_on_the_other_backends(tmp_path, backend):
+    """The teacher in the reference's place on Megatron-Core and DeepSpeed (one rank, in-process): its log-probs
+    of the student's samples are a plain transformers forward's, and the step trains."""
+    need_module("megatron.core" if backend == "megatron" else "deepspeed", "RLKIT_REQUIRE_BACKENDS")
+    teacher = tiny_lm("qwen2", size="small", seed=1)
+    with _trainer(tmp_path, backend, algorithm="distill", teacher=teacher, backend=backend, padding_free=False) as tr:
+        batch = tr.estimate(tr.generate())
+        s, mask = batch.samples, batch.samples.loss_tokens.bool()
+        assert (s.ref_logprobs - _teacher_logprobs(teacher, s, tr.layout.prompt_len))[mask].abs().max() < 1e-4
+        row = tr.update(batch)
+    assert row["actor/grad_norm"] > 0
