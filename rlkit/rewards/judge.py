@@ -115,15 +115,25 @@ class Judge:
             else:
                 from rlkit.workers.local import LocalWorkerGroup
 
-                self._group = LocalWorkerGroup(1, JudgeWorker, self.model, self.engine_name, self.max_new_tokens,
-                                               name="judge", init_process_group=False)
+                # built on the thread that runs every call: an engine may be tied to its thread (vLLM's CPU
+                # attention checks the OpenMP thread count it was set up with)
+                self._group = self._calls.submit(LocalWorkerGroup, 1, JudgeWorker, self.model, self.engine_name,
+                                                 self.max_new_tokens, name="judge",
+                                                 init_process_group=False).result()
         return self
 
     def close(self) -> None:
         """Stop the judge's engine (and its worker)."""
         group, self._group = self._group, None
-        if group is not None:
-            group.shutdown()
+        if group is None:
+            return
+        if self.cluster is None:  # on the engine's own thread, behind a call still running (bounded)
+            try:
+                self._calls.submit(group.shutdown).result(timeout=self.timeout_s)
+                return
+            except FutureTimeout:
+                pass  # that call ran past its bound: shut the engine down from here
+        group.shutdown()
 
     # ---- scoring -----------------------------------------------------------------------------------
     def render(self, prompt: Any, completion: Any, columns: dict[str, Any]) -> str:
