@@ -1,7 +1,7 @@
 """Tiny causal LMs of real HF architectures, built locally and saved like a hub checkpoint.
 
 No hub is needed: a byte-level BPE tokenizer (single-digit tokens, chat template, pad and eos) is
-trained on a small built-in corpus with ``tokenizers``, a Llama or Qwen2 model is built from a config
+trained on a small built-in corpus with ``tokenizers``, a Llama, Qwen2 or Qwen3-MoE model is built from a config
 with a seeded random init, and both are ``save_pretrained`` into a cache folder whose path is
 returned. Everything downstream loads it with ``from_pretrained(path)``, exactly as a real
 checkpoint.
@@ -37,7 +37,9 @@ SIZES: dict[str, dict[str, int]] = {
     "10m": dict(hidden_size=384, intermediate_size=1152, num_hidden_layers=8, num_attention_heads=8,
                 num_key_value_heads=4),
 }
-ARCHS = ("llama", "qwen2")
+ARCHS = ("llama", "qwen2", "qwen3_moe")
+# a mixture of experts in every layer, enough experts that routing matters: 8, top-2, each half the dense MLP
+MOE = dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)
 
 
 def cache_dir() -> Path:
@@ -105,8 +107,14 @@ def build_tokenizer(vocab_size: int = 512):
 
 
 def tiny_config(arch: str = "qwen2", size: str = "test", vocab_size: int = 512, **overrides: Any):
-    """The HF config of a tiny model (``arch`` in ``ARCHS``, ``size`` in ``SIZES``)."""
-    from transformers import LlamaConfig, Qwen2Config
+    """The HF config of a tiny model (``arch`` in ``ARCHS``, ``size`` in ``SIZES``; ``"qwen3_moe"`` is
+    transformers' Qwen3-MoE with ``MOE``'s experts in every layer).
+
+    >>> c = tiny_config("qwen3_moe")
+    >>> c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.head_dim
+    (8, 2, 64, 16)
+    """
+    from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r} is not a tiny architecture; choose one of {list(ARCHS)}")
@@ -114,8 +122,11 @@ def tiny_config(arch: str = "qwen2", size: str = "test", vocab_size: int = 512, 
         raise ValueError(f"size={size!r} is not a tiny size; choose one of {list(SIZES)}")
     kwargs = dict(SIZES[size], vocab_size=vocab_size, max_position_embeddings=512, tie_word_embeddings=False,
                   rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    if arch == "qwen3_moe":
+        kwargs.update(MOE, moe_intermediate_size=kwargs["intermediate_size"] // 2,
+                      head_dim=kwargs["hidden_size"] // kwargs["num_attention_heads"])
     kwargs.update(overrides)
-    cls = LlamaConfig if arch == "llama" else Qwen2Config
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig}[arch]
     return cls(**kwargs)
 
 
