@@ -61,6 +61,9 @@ class Batch:
         policy_version: ``[B]`` the actor step whose weights sampled each sample (streaming: its oldest token's).
         token_version: ``[B, R]`` streaming (``rlkit.stream``): the actor step whose weights sampled each token.
         gen_window: ``[B, 2]`` float64, when the generating call ran (seconds since the epoch).
+        routing: ``[B, P + R, layers, k]`` int16, mixture of experts: the experts the engine chose for each token in
+            each layer, -1 where none was recorded (``Rollout(record_routing=True)``; replayed by the actor's
+            forwards under ``TrainerConfig(routing_replay=True)``).
         ref_logprobs, old_logprobs, values, advantages, returns: ``[B, R]``, added by ``Trainer.estimate``.
         behaviour_logprobs: ``[B, R]`` the engine's log-probs, for the update's importance weights.
         uid: each sample's prompt (its index in the step's prompts).
@@ -78,6 +81,7 @@ class Batch:
     rollout_logprobs: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
     policy_version: torch.Tensor | None = None
+    routing: torch.Tensor | None = None
     token_version: torch.Tensor | None = None
     gen_window: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None

@@ -53,6 +53,10 @@ class TrainerConfig:
     precision: str = "fp32"              # "bf16-mixed": bf16 autocast on fp32 weights (TRL's bf16=True)
     padding_free: bool = True            # pack sequences, pay for real tokens only (False: the padded layout)
     micro_batch_tokens: int | None = None  # padding-free: tokens per micro-batch (None: the plan's micro-batches)
+    router_aux_coef: float = 0.0         # mixture of experts: the router's load-balancing loss weight (0: off, as most RL recipes)
+    router_z_coef: float = 0.0           # mixture of experts: the router's z-loss weight (ST-MoE; 0: off)
+    routing_replay: bool = False         # mixture of experts: the actor routes by the engine's recorded experts (R3;
+    #                                      needs Rollout(record_routing=True))
     lora: Any = None                     # peft LoraConfig (TRL's peft_config) or an int rank: train adapters only
     backend: Any = "torch"               # who trains: "torch" | "megatron" | "deepspeed" or rlkit.Backend(...) (rlkit.backends)
     off_policy_steps: int = 0            # 1: one-step-off async RL (split placement): step k+1's batch samples during step k
@@ -127,6 +131,10 @@ class TrainerConfig:
                                                   and all(isinstance(k, str) for k in self.loss_options)):
             raise TrainerError(f"loss_options={self.loss_options!r} must be a dict of the policy loss's keyword "
                                f"arguments, e.g. loss_options={{'tau_pos': 1.0, 'tau_neg': 1.05}} for SAPO")
+        number("router_aux_coef", self.router_aux_coef, ge=0, hint="e.g. 0.001 (Qwen3-MoE's pretraining value); "
+               "0 turns the load-balancing loss off", **err)
+        number("router_z_coef", self.router_z_coef, ge=0, hint="e.g. 0.001 (ST-MoE); 0 turns the z-loss off", **err)
+        boolean("routing_replay", self.routing_replay, **err)
         number("kl_coef", self.kl_coef, ge=0, hint="0 turns the KL term (and the reference model) off", **err)
         choice("kl_kind", self.kl_kind, KL_KINDS, **err)
         if self.teacher is not None and not (isinstance(self.teacher, str) and self.teacher):

@@ -282,6 +282,43 @@ def check_lora(config: TrainerConfig, model_path: str, plan: ParallelPlan) -> No
         raise TrainerError(str(e)) from None
 
 
+def check_moe(config: TrainerConfig, model_path: str, rollout: Rollout) -> None:
+    """The router's loss weights and routing replay need a mixture-of-experts model and the torch backend (whose
+    MoE layer computes them, ``rlkit.parallel.moe``); replay needs the engine's recorded routing, which one-step
+    streaming's continued samples do not keep yet. ``ParallelPlan(ep=...)`` is checked by the plan and backend."""
+    from transformers import AutoConfig
+
+    from rlkit.parallel.moe import is_moe
+
+    moe = is_moe(AutoConfig.from_pretrained(model_path))
+    if rollout.record_routing and not moe:
+        raise TrainerError(f"Rollout(record_routing=True) records which experts each token went to, but {model_path} "
+                           f"is a dense model (no experts in its config); use record_routing=False")
+    if config.routing_replay and not rollout.record_routing:
+        raise TrainerError("routing_replay=True replays the experts the engine chose, so the engine must record them: "
+                           "set Rollout(record_routing=True) (HF engine), or routing_replay=False")
+    if rollout.record_routing and config.streaming:
+        raise TrainerError("Rollout(record_routing=True) with streaming=True is not supported yet (a partial "
+                           "rollout's routing spans several generation calls); use streaming=False, or "
+                           "record_routing=False")
+    if rollout.record_routing and not config.backend.caps.expert_parallel:
+        raise TrainerError(f"Rollout(record_routing=True): the recorded routing is compared and replayed by the torch "
+                           f"backend's MoE layer; backend={config.backend.name!r} has none: use backend='torch', or "
+                           f"record_routing=False")
+    asked = {k: v for k, v in (("router_aux_coef", config.router_aux_coef), ("router_z_coef", config.router_z_coef))
+             if v}
+    if not asked:
+        return
+    what = ", ".join(f"{k}={v}" for k, v in asked.items())
+    if not moe:
+        raise TrainerError(f"{what} weighs a mixture-of-experts router's loss, but {model_path} is a dense model "
+                           f"(no experts in its config); leave {' and '.join(asked)} at 0")
+    if not config.backend.caps.expert_parallel:
+        raise TrainerError(f"{what} is computed by the torch backend's MoE layer; backend="
+                           f"{config.backend.name!r} trains transformers' own, without it: use backend='torch', or "
+                           f"leave {' and '.join(asked)} at 0")
+
+
 def check_loss_options(config: TrainerConfig, policy_loss: Callable[..., Any], name: str) -> None:
     """``config.loss_options`` that the algorithm's policy loss ``name`` takes, with values it accepts
     (``rlkit.algos.check_loss_options``); a TrainerError naming the option and the fix otherwise."""

@@ -46,6 +46,9 @@ TRAINER_CONFIG_BAD = {
                  ("token_mean", "did you mean 'token-mean'?")],
     "loss_options": [([("tau", 1.0)], "loss_options=[('tau', 1.0)] must be a dict of the policy loss's keyword")],
     "kl_coef": [(-0.1, "kl_coef=-0.1 must be a finite number >= 0"), (math.inf, "kl_coef=inf")],
+    "router_aux_coef": [(-0.01, "router_aux_coef=-0.01 must be a finite number >= 0"), (NAN, "router_aux_coef=nan")],
+    "router_z_coef": [(-1, "router_z_coef=-1 must be a finite number >= 0"), ("big", "router_z_coef='big'")],
+    "routing_replay": [(1, "routing_replay=1 must be True or False")],
     "teacher": [("", "teacher='' must be a checkpoint"), (3, "teacher=3 must be a checkpoint")],
     "kl_kind": [("k7", "kl_kind='k7': choose one of ['k1', 'kl', 'abs', 'k2', 'mse', 'k3', 'low_var_kl']")],
     "kl_in_reward": [("yes", "kl_in_reward='yes' must be True or False")],
@@ -126,6 +129,7 @@ ROLLOUT_BAD = {
     "engine_kwargs": [("tensor_parallel_size=2", "engine_kwargs='tensor_parallel_size=2' must be a dict")],
     "script": [("hi", "script='hi' must be a tuple of (pattern, response) rules"),
                ((("(", "x"),), "script rule 0: pattern '(' is not a regular expression")],
+    "record_routing": [("yes", "record_routing='yes' must be True or False")],
 }
 
 # RewardModel(path_or_model, tokenizer, *, batch_size, max_length, device, template, normalize)
@@ -436,6 +440,43 @@ def _backend_cases():
          "order='tp-dp-pp'"),
         (dict(backend="megatron", precision="bf16-mixed"), "backend='megatron' trains fp32 here"),
     ]
+
+
+def _moe_cases():
+    P = rlkit.ParallelPlan
+    moe = tiny_lm("qwen3_moe", size="test")
+    return [
+        (dict(plan=P(dp=2, ep=2)), None, "ep=2 needs a mixture-of-experts model, but"),
+        (dict(plan=P(dp=6, ep=3), prompts_per_step=6), moe, "ep=3 does not divide num_experts=8; each EP rank holds whole experts: "
+         "choose ep in {1, 2}"),
+        (dict(plan=P(dp=2, ep=2), backend="deepspeed"), moe, "backend='deepspeed' cannot run ep=2: expert "
+         "parallelism is the torch backend's"),
+        (dict(router_aux_coef=0.01), None, "router_aux_coef=0.01 weighs a mixture-of-experts router's loss, but"),
+        (dict(router_z_coef=0.001, backend="deepspeed"), moe, "router_z_coef=0.001 is computed by the torch backend's "
+         "MoE layer; backend='deepspeed' trains transformers' own"),
+        (dict(backend="megatron"), moe, "backend='megatron' does not build model_type='qwen3_moe'"),
+        (dict(plan=P(dp=2, ep=2, dp_shard="replicate")), moe, "ep=2 with dp_shard='replicate' is not supported on "
+         "the torch backend"),
+        (dict(routing_replay=True), moe, "routing_replay=True replays the experts the engine chose, so the engine "
+         "must record them: set Rollout(record_routing=True)"),
+        (dict(rollout=rlkit.Rollout(engine="hf", n=2, record_routing=True)), None, "Rollout(record_routing=True) records "
+         "which experts each token went to, but"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_moe_errors_fail_before_any_worker(case, model, no_workers_start):
+    """Expert parallelism and the router's losses asked of a model or backend that cannot take them."""
+    kw, path, expect = _moe_cases()[case]
+    with pytest.raises(rlkit.RlkitError) as e:
+        Trainer(model=path or model, dataset=rlkit.tasks.repeat, **kw)
+    assert expect in str(e.value), str(e.value)
+
+
+def test_ep_must_divide_dp():
+    with pytest.raises(rlkit.RlkitError, match=r"ep=4 does not divide dp=2: expert parallelism is cut out of the "
+                                               r"data-parallel ranks; choose ep in \[1, 2\]"):
+        rlkit.ParallelPlan(dp=2, ep=4)
 
 
 @pytest.mark.parametrize("case", range(8))

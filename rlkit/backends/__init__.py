@@ -56,11 +56,12 @@ class Capabilities:
     model_families: bool      # maps only the model families it knows (rlkit.backends.families), checked on the config
     precisions: tuple[str, ...] = ("fp32", "bf16-mixed")
     zero_stages_with_pp: tuple[int, ...] = ()   # DeepSpeed's ZeRO stages that its pipeline engine runs
+    expert_parallel: bool = False  # ParallelPlan(ep > 1) and the router's losses (rlkit.parallel.moe)
 
 
 CAPABILITIES: dict[str, Capabilities] = {
     "torch": Capabilities(tp=True, vpp=True, sharded_dp=True, any_rank_order=True, lora=True, packing=True,
-                          generation_layout=True, rlkit_groups=True, model_families=False),
+                          generation_layout=True, rlkit_groups=True, model_families=False, expert_parallel=True),
     "megatron": Capabilities(tp=True, vpp=False, sharded_dp=False, any_rank_order=False, lora=False, packing=False,
                              generation_layout=False, rlkit_groups=False, model_families=True, precisions=("fp32",)),
     "deepspeed": Capabilities(tp=False, vpp=False, sharded_dp=True, any_rank_order=False, lora=False, packing=False,
@@ -168,6 +169,12 @@ def check_backend(backend: str | Backend | None, plan: ParallelPlan, config: Any
     if plan.vpp > 1 and not caps.vpp:
         raise PlanError(f"backend={name!r} runs vpp=1 here (virtual pipeline stages are not wired yet); use vpp=1 "
                         f"(got vpp={plan.vpp})")
+    if plan.ep > 1 and not caps.expert_parallel:
+        raise PlanError(f"backend={name!r} cannot run ep={plan.ep}: expert parallelism is the torch backend's "
+                        f"(rlkit.parallel.moe); use backend='torch', or ep=1")
+    if plan.ep > 1 and name == "torch" and plan.dp_shard in ("hybrid_shard", "replicate"):
+        raise PlanError(f"ep={plan.ep} with dp_shard={plan.dp_shard!r} is not supported on the torch backend (HSDP "
+                        f"and EP both split the DP ranks); use dp_shard='full_shard' or 'shard_grad_op' with ep > 1")
     if plan.tp > 1 and not caps.tp:
         raise PlanError(f"backend={name!r} cannot run tp={plan.tp}: DeepSpeed trains an HF model with ZeRO "
                         f"over DP and its PipelineModule over PP, but has no tensor parallelism for it (its "

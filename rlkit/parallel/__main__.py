@@ -21,6 +21,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vpp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism (MoE models), cut out of --dp")
+    p.add_argument("--router-aux-coef", type=float, default=0.0, help="MoE: weight of the load-balancing loss")
+    p.add_argument("--router-z-coef", type=float, default=0.0, help="MoE: weight of the router z-loss")
     p.add_argument("--dp-shard", default="full_shard")
     p.add_argument("--dp-shard-size", type=int, default=None)
     p.add_argument("--schedule", default=None, help="gpipe | 1f1b | interleaved-1f1b")
@@ -28,7 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--micro-batch-size", type=int, default=1)
     p.add_argument("--seq-len", type=int, default=16)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--model", default="tiny-qwen2", help="a path / hub id, or tiny-qwen2 | tiny-llama")
+    p.add_argument("--model", default="tiny-qwen2", help="a path / hub id, or tiny-qwen2 | tiny-llama | tiny-qwen3_moe")
     p.add_argument("--head", default="lm", choices=["lm", "value"])
     p.add_argument("--activation-checkpointing", action="store_true")
     p.add_argument("--padding-free", action="store_true",
@@ -75,7 +78,7 @@ def main(argv=None) -> int:
 
     plan = ParallelPlan(dp=args.dp, tp=args.tp, pp=args.pp, vpp=args.vpp, dp_shard=args.dp_shard,
                         dp_shard_size=args.dp_shard_size, schedule=args.schedule,
-                        micro_batches=args.micro_batches)
+                        micro_batches=args.micro_batches, ep=args.ep)
     rank, _ = init_distributed(timeout_s=args.timeout)
     try:
         with propagate_errors():
@@ -109,7 +112,8 @@ def main(argv=None) -> int:
                             micro_batch_size=args.micro_batch_size, head=args.head, ckpt_dir=args.ckpt, lr=args.lr,
                             fail_rank=args.fail_rank, activation_checkpointing=args.activation_checkpointing,
                             padding_free=args.padding_free, token_budget=args.token_budget,
-                            lora=_lora_config(args))
+                            lora=_lora_config(args), router_aux_coef=args.router_aux_coef,
+                            router_z_coef=args.router_z_coef)
     except WorkerError as e:
         # The failing rank prints the whole traceback; the others one line naming it.
         text = str(e) if e.rank == rank else str(e).splitlines()[0]

@@ -4,6 +4,8 @@ TP (DTensor ``parallelize_module``), activation checkpointing, then FSDP2 (``ful
 
 from __future__ import annotations
 
+import fnmatch
+
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -33,8 +35,13 @@ def tp_plan(module: nn.Module, config=None) -> dict:
     """
     hf_plan = dict(getattr(config, "base_model_tp_plan", None) or DEFAULT_LAYER_PLAN)
     plan = {}
+    names = [n for n, _ in module.named_modules()]
     for pattern, style in hf_plan.items():
         if not pattern.startswith("layers."):
+            continue
+        if not fnmatch.filter(names, "model." + pattern):  # e.g. a dense MLP's projections in an MoE model
+            continue
+        if style == "replicated_with_grad_allreduce":  # a full copy per rank; see tp_partial_grads
             continue
         if style not in _HF_STYLES:
             raise PlanError(f"the model's tp plan uses style {style!r} for {pattern}, which rlkit does not "
@@ -45,6 +52,21 @@ def tp_plan(module: nn.Module, config=None) -> dict:
     if getattr(module, "lm_head", None) is not None:
         plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
     return plan
+
+
+def tp_partial_grads(module: nn.Module, config=None) -> list[nn.Parameter]:
+    """The parameters each TP rank holds whole but whose gradient it sees only in part, which the ranks sum
+    after backward (transformers' "replicated_with_grad_allreduce": Qwen3's q_norm / k_norm, applied to
+    each rank's own heads).
+
+    >>> from rlkit.models import tiny_lm, load                                      # doctest: +SKIP
+    >>> hf, _ = load(tiny_lm("qwen3_moe")); len(tp_partial_grads(hf, hf.config))   # doctest: +SKIP
+    8
+    """
+    hf_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    patterns = ["model." + k for k, v in hf_plan.items() if v == "replicated_with_grad_allreduce"]
+    return [p for name, mod in module.named_modules() if any(fnmatch.fnmatch(name, pat) for pat in patterns)
+            for p in mod.parameters(recurse=False)]
 
 
 def apply_tp(module: nn.Module, tp_mesh: DeviceMesh, config=None) -> nn.Module:
@@ -82,7 +104,7 @@ def apply_ac(module: nn.Module) -> nn.Module:
 
 
 def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, dp_shard: str = "full_shard",
-               mp_policy=None) -> nn.Module:
+               mp_policy=None, ignored: set | None = None) -> nn.Module:
     """FSDP2 ``fully_shard`` per decoder layer, then the stage root (embedding, norm, head).
 
     ``dp_shard`` picks the ZeRO flavour with FSDP2 alone (torch 2.13's composable ``replicate``
@@ -93,7 +115,8 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, dp_shard: str = "full_sha
       * "hybrid_shard": 2D (dp_replicate, dp_shard) mesh = HSDP;
       * "replicate": HSDP with shard groups of size 1 = DDP (grads all-reduced, full params).
     ``mp_policy``: an FSDP ``MixedPrecisionPolicy`` (bf16 params / fp32 reduce on GPU; default:
-    ``default_mp_policy()``).
+    ``default_mp_policy()``). ``ignored``: parameters FSDP leaves alone (experts sharded by expert
+    parallelism, whose gradients ``ParallelModel`` averages over the expert-DP ranks itself).
 
     >>> apply_fsdp(stage, build_groups(plan).fsdp_mesh, "full_shard")     # doctest: +SKIP
     """
@@ -104,10 +127,11 @@ def apply_fsdp(module: nn.Module, dp_mesh: DeviceMesh, dp_shard: str = "full_sha
     if mp_policy is None:
         mp_policy = default_mp_policy()
     reshard = dp_shard in ("full_shard", "hybrid_shard")
+    kw = {"ignored_params": ignored} if ignored else {}
     for layer in module.model.layers.values():
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy, **kw)
     # The root's params (embedding, norm, head) are needed right after forward: keep them gathered.
-    fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy, **kw)
     return module
 
 

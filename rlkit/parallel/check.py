@@ -69,23 +69,39 @@ def reference_forward(hf: nn.Module, value_head: nn.Module | None, batch: dict[s
     if value_head is not None:
         h = hf.model(input_ids=ids, attention_mask=am, position_ids=pos).last_hidden_state
         return {"values": value_head(h).squeeze(-1).float()}
-    logits = hf(input_ids=ids, attention_mask=am, position_ids=pos).logits.float()
+    moe = bool(getattr(hf.config, "num_experts", 0))
+    res = hf(input_ids=ids, attention_mask=am, position_ids=pos, **({"output_router_logits": True} if moe else {}))
+    logits = res.logits.float()
     logp = logits[:, :-1].log_softmax(-1)
     lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1)
     zero = torch.zeros(ids.shape[0], 1)
-    return {"logprobs": torch.cat([zero, lp], 1), "entropy": torch.cat([zero, ent], 1)}
+    out = {"logprobs": torch.cat([zero, lp], 1), "entropy": torch.cat([zero, ent], 1)}
+    if moe:  # the router's losses, by transformers' own function, one layer at a time, averaged over layers
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+        cfg, layers = hf.config, res.router_logits
+        out["aux_loss"] = sum(load_balancing_loss_func((g,), cfg.num_experts, cfg.num_experts_per_tok, am)
+                              for g in layers) / len(layers)
+        real = am.reshape(-1).bool()
+        out["z_loss"] = sum(torch.logsumexp(g[real].float(), -1).pow(2).mean() for g in layers) / len(layers)
+    return out
 
 
 def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 16, micro_batch_size: int = 1,
               head: str = "lm", lr: float = 1e-3, max_grad_norm: float = 1.0, ckpt_dir: str | None = None,
               seed: int = 0, fail_rank: int | None = None, activation_checkpointing: bool = False,
-              padding_free: bool = False, token_budget: int | None = None, lora: Any = None) -> dict[str, Any]:
+              padding_free: bool = False, token_budget: int | None = None, lora: Any = None,
+              router_aux_coef: float = 0.0, router_z_coef: float = 0.0) -> dict[str, Any]:
     """Run the plan and the reference side by side; returns the report (complete on rank 0).
 
     ``lora`` (a peft ``LoraConfig`` or a rank): the plan trains adapters only; the reference is the HF model
     with peft's own LoRA layers holding the same initial adapters, and the full weights compared are the
     merged ones (peft's ``merge``). ``max_dadapter`` compares the adapters themselves.
+
+    A mixture-of-experts model adds the router's losses to both sides' objective (``router_aux_coef``,
+    ``router_z_coef``; the reference's by transformers' ``load_balancing_loss_func``), and reports their
+    values (``aux_loss`` / ``ref_aux_loss``, ``z_loss`` / ``ref_z_loss``: the first step's means).
 
     ``padding_free``: the plan runs packed rows (``token_budget`` tokens per micro-batch) on a ragged batch,
     each micro-batch weighted by its response tokens; the reference is the padded model on the whole
@@ -100,6 +116,7 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     # eps=1e-6: Adam divides by sqrt(v) + eps, so with 1e-8 a 1e-10 difference in a near-zero
     # gradient (reduction order) moves a weight by ~1e-2 * lr; 1e-6 keeps the comparison tight.
     opt = dict(lr=lr, weight_decay=0.01, eps=1e-6, activation_checkpointing=activation_checkpointing)
+    opt |= {"router_aux_coef": router_aux_coef, "router_z_coef": router_z_coef}
     pm = ParallelModel(model, plan, head=head, max_grad_norm=max_grad_norm, seed=seed, lora=lora_cfg, **opt)
     pm.set_packing(padding_free, token_budget)
     weight_fn = response_tokens if padding_free else None
@@ -121,6 +138,17 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     ref_params = list(ref_named.values())
     ref_opt = torch.optim.AdamW(ref_params, lr=lr, weight_decay=0.01, eps=1e-6, foreach=False)
     loss_fn = value_loss if head == "value" else ppo_loss
+    router: dict[str, list[float]] = {"aux_loss": [], "z_loss": [], "added": []}
+
+    def ref_loss_fn(out, mb):
+        loss = loss_fn(out, mb)
+        if "aux_loss" in out:
+            router["aux_loss"].append(float(out["aux_loss"]))
+            router["z_loss"].append(float(out["z_loss"]))
+            added = router_aux_coef * out["aux_loss"] + router_z_coef * out["z_loss"]
+            router["added"].append(float(added))
+            loss = loss + added
+        return loss
     m = plan.n_micro_batches
 
     n = plan.dp * m * micro_batch_size
@@ -136,13 +164,15 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     def ref_step(b, do_step=True):
         # the plan's micro-batches; padding-free: the whole batch (its objective is the step's token mean)
         chunks = [b] if padding_free else [c for d in split_rows(b, plan.dp) for c in split_rows(d, m)]
-        loss = sum(loss_fn(reference_forward(ref, ref_vh, c), c) for c in chunks) / len(chunks)
+        router["added"].clear()
+        loss = sum(ref_loss_fn(reference_forward(ref, ref_vh, c), c) for c in chunks) / len(chunks)
         loss.backward()
         if do_step:
             torch.nn.utils.clip_grad_norm_(ref_params, max_grad_norm)
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
-        return loss.item()
+        # the objective's value without the router's losses (reported apart), as ParallelModel returns it
+        return loss.item() - sum(router["added"]) / len(chunks)
 
     report: dict[str, Any] = {"plan": plan.describe(), "world_size": plan.world_size, "head": head,
                               "padding_free": padding_free, "token_budget": token_budget,
@@ -159,9 +189,18 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     diffs = {k: max_over_ranks(((got[k] - ref_out[k]).abs() * valid).max()) for k in got}
 
     # 2. loss and gradients of one step
+    moe = bool(pm.moes)
+    if moe:
+        pm.router_stats()  # counts from here on
     loss = pm.forward_backward(mine, loss_fn, weight_fn)
+    if moe:
+        stats = pm.router_stats()
+        report.update(aux_loss=stats["aux_loss"], z_loss=stats["z_loss"], expert_load=stats["load"].tolist())
     ref_loss = ref_step(batches[0], do_step=False)
-    gdiff = 0.0
+    if moe:
+        report.update(ref_aux_loss=sum(router["aux_loss"]) / len(router["aux_loss"]),
+                      ref_z_loss=sum(router["z_loss"]) / len(router["z_loss"]))
+    gdiff, worst = 0.0, None
     tied = pm.tied
     for name, p in pm.named_parameters():
         if not p.requires_grad:  # a LoRA base: frozen, no gradient
@@ -170,7 +209,10 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
         g = full(p.grad)
         if tied and name == "lm_head.weight":  # pp > 1: the last stage's copy of the tied embedding
             name = "model.embed_tokens.weight"
-        gdiff = max(gdiff, (g - ref_named[name].grad).abs().max().item())
+        d = (g - ref_named[name].grad).abs().max().item()
+        if d > gdiff:
+            gdiff, worst = d, name
+    report["max_dgrad_param"] = worst if gdiff > 0 else None  # this rank's worst (rank 0's in the report)
     gdiff = max_over_ranks(torch.tensor(gdiff))
     gnorm = pm.grad_norm()
     ref_gnorm = torch.nn.utils.get_total_norm([p.grad for p in ref_params]).item()

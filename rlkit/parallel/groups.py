@@ -5,7 +5,9 @@ order, or the ranks pair up the wrong communicators and hang (or worse, mix data
 groups of its own; they ask for them here, and each builder runs the same steps on every rank:
 
 1. ``build_groups(plan)``: the plan's ``DeviceMesh`` with dims ``pp`` / ``dp`` / ``tp`` (for HSDP the dp
-   dim is ``dp_replicate x dp_shard``, flattened to ``dp`` for data). Every sub-group (``mesh["tp"]``,
+   dim is ``dp_replicate x dp_shard``, flattened to ``dp`` for data; with expert parallelism it is
+   ``edp x ep``, flattened the same way: ``mesh["ep"]`` holds the ranks that share one copy of the experts,
+   ``mesh["edp"]`` the ranks holding the same experts). Every sub-group (``mesh["tp"]``,
    ``mesh["dp"]``, ``mesh["pp"]``) is made by ``init_device_mesh`` here.
 2. Then, when ``tied_ends=True`` (a tied input/output embedding under ``pp > 1``): one group of two ranks
    per pipeline, its first and last stage, which sum the two copies' gradients (Megatron's embedding
@@ -26,6 +28,7 @@ reference, critic share one mesh) and to the generation layout.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +39,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from rlkit.errors import PlanError
 from rlkit.plan.hybrid import GenerationLayout
 from rlkit.plan.topology import ParallelPlan
+
+# torch 2.13 warns on every mesh["dp"] of a flattened dp (HSDP, EP) that such slicing "will be deprecated in PT
+# 2.11"; it works, and the warning would land in every worker's log on each call
+warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
 
 
 def device_type() -> str:
@@ -55,6 +62,16 @@ class ProcessGroups:
     mesh: DeviceMesh
     tied_ends: Any = None
     has_tied_ends: bool = False
+
+    @property
+    def ep_mesh(self) -> DeviceMesh | None:
+        """The 1D mesh of the ranks sharing one copy of the experts (None without expert parallelism)."""
+        return self.mesh["ep"] if self.plan.ep > 1 else None
+
+    @property
+    def edp_group(self) -> Any:
+        """The ranks holding the same experts, which average their gradients (None without EP, or one copy)."""
+        return self.mesh["edp"].get_group() if self.plan.ep > 1 and self.plan.expert_dp > 1 else None
 
     @property
     def fsdp_mesh(self) -> DeviceMesh:
@@ -102,9 +119,18 @@ def build_groups(plan: ParallelPlan, *, tied_ends: bool = False, device: str | N
         rep = plan.dp_replicate_degree
         shape = shape[:i] + (rep, plan.dp // rep) + shape[i + 1:]
         names = names[:i] + ("dp_replicate", "dp_shard") + names[i + 1:]
+    if plan.ep > 1 and hsdp:
+        raise PlanError(f"ep={plan.ep} with dp_shard={plan.dp_shard!r} is not supported (HSDP and EP both split the DP "
+                        f"ranks); use dp_shard='full_shard' or 'shard_grad_op' with ep > 1")
+    if plan.ep > 1:  # consecutive DP ranks share the experts (EP inner, expert-DP outer, as Megatron)
+        i = names.index("dp")
+        shape = shape[:i] + (plan.expert_dp, plan.ep) + shape[i + 1:]
+        names = names[:i] + ("edp", "ep") + names[i + 1:]
     mesh = init_device_mesh(device or device_type(), shape, mesh_dim_names=names)
     if hsdp:
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    if plan.ep > 1:
+        mesh["edp", "ep"]._flatten("dp")
     built = tied_ends and plan.pp > 1
     ends = _pipeline_ends(plan, dist.get_rank()) if built else None
     return ProcessGroups(plan, mesh, ends, built)

@@ -53,10 +53,27 @@ class CheckpointReader:
             raise PlanError(f"no weights in {str(self.folder)!r} (model.safetensors, an index, or pytorch_model.bin)")
 
     def __contains__(self, name: str) -> bool:
-        return name in self.files
+        return name in self.files or bool(self._per_expert(name))
+
+    def _per_expert(self, name: str) -> list[list[str]]:
+        """A fused expert tensor (``...mlp.experts.gate_up_proj`` ``(E, 2I, H)`` or ``.down_proj`` ``(E, H, I)``,
+        what transformers' MoE modules hold) that the checkpoint stores one expert at a time, as
+        transformers saves it (``...mlp.experts.3.gate_proj.weight``): the stored names, per expert, to
+        concatenate (gate then up) and stack. Empty for any other name."""
+        prefix, _, what = name.rpartition(".")
+        if name in self.files or not prefix.endswith(".mlp.experts") or what not in ("gate_up_proj", "down_proj"):
+            return []
+        parts = ("gate_proj", "up_proj") if what == "gate_up_proj" else ("down_proj",)
+        out, e = [], 0
+        while f"{prefix}.{e}.{parts[0]}.weight" in self.files:
+            out.append([f"{prefix}.{e}.{part}.weight" for part in parts])
+            e += 1
+        return out
 
     def numel(self, name: str) -> int:
         """Elements of tensor ``name``, from the file's header (nothing read)."""
+        if self._per_expert(name):
+            return sum(self.numel(n) for names in self._per_expert(name) for n in names)
         if hasattr(self, "_bin"):
             return self._bin[name].numel()
         from safetensors import safe_open
@@ -67,6 +84,9 @@ class CheckpointReader:
     def get(self, name: str) -> torch.Tensor:
         """The full tensor ``name`` (CPU). The file is opened per read, so its mapping (and the pages it
         touched) go away with the returned tensor's neighbours."""
+        experts = self._per_expert(name)
+        if experts:
+            return torch.stack([torch.cat([self.get(n) for n in names]) for names in experts])
         if name not in self.files:
             raise PlanError(f"checkpoint {str(self.folder)!r} has no tensor {name!r} (it has e.g. "
                             f"{sorted(self.files)[:3]}); is it a checkpoint of this architecture?")

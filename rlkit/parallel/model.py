@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 from rlkit import atomic
 from rlkit.checks import choice
 from rlkit.errors import CheckpointError, PlanError
-from rlkit.parallel.apply import apply_ac, apply_fsdp, apply_tp
+from rlkit.parallel.apply import apply_ac, apply_fsdp, apply_tp, tp_partial_grads
 from rlkit.parallel.gather import full, full_tensors, local, storage_bytes
 from rlkit.parallel.groups import ProcessGroups, build_groups, device_type
 from rlkit.parallel.kit import (
@@ -64,6 +64,7 @@ from rlkit.parallel.lora import (
     module_of,
     scaling,
 )
+from rlkit.parallel.moe import apply_moe, expert_params, is_moe, moe_layers
 from rlkit.parallel.packing import PackedMicroBatch, pack
 from rlkit.parallel.stage import split_stages
 from rlkit.plan.topology import ParallelPlan
@@ -89,6 +90,9 @@ class ParallelModel:
             gradients and AdamW state stay fp32 (TRL's ``bf16=True``; Lightning's "bf16-mixed").
         groups: the rank's process groups (``rlkit.parallel.groups.build_groups``); models of one rank
             share them. Default: built here (a collective: every rank constructs the model).
+        router_aux_coef, router_z_coef: mixture-of-experts models: the weights of the router's
+            load-balancing loss and z-loss in the objective (``rlkit.parallel.moe``; 0: not trained, still
+            measured). ``plan.ep`` shards the experts (expert parallelism).
 
     >>> # under torchrun --nproc-per-node 8 (see python -m rlkit.parallel):
     >>> pm = ParallelModel(tiny_lm("qwen2"), ParallelPlan(dp=2, tp=2, pp=2))   # doctest: +SKIP
@@ -101,7 +105,8 @@ class ParallelModel:
                  weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  max_grad_norm: float | None = 1.0, activation_checkpointing: bool = False,
                  layer_split: list[int] | None = None, seed: int = 0, logprob_chunk: int = 1024,
-                 groups: ProcessGroups | None = None, mp_policy=None, precision: str = "fp32", lora: Any = None):
+                 groups: ProcessGroups | None = None, mp_policy=None, precision: str = "fp32", lora: Any = None,
+                 router_aux_coef: float = 0.0, router_z_coef: float = 0.0):
         choice("precision", precision, tuple(PRECISIONS), error=PlanError)
         # A local checkpoint loads sharded: built on meta, each rank reads only the shards it keeps
         # (loading.py). A module (or a hub id) is loaded whole, then sliced; so is a one-rank plan's
@@ -148,13 +153,21 @@ class ParallelModel:
         self.stage_ids, self.stages = split_stages(hf, plan, self.pp_rank, head=head, value_head=value_head,
                                                    split=layer_split, logprob_chunk=logprob_chunk)
         del hf  # layers of other stages are freed with it
+        self.moes = []
         for st in self.stages:
             st.compute_dtype = PRECISIONS[precision]
+            if is_moe(self.config):  # rlkit routes the experts: EP, the router's losses, its load
+                st.moes = apply_moe(st.model, self.config, self.groups.ep_mesh)
+                for moe in st.moes:
+                    moe.aux_coef, moe.z_coef = float(router_aux_coef), float(router_z_coef)
+                self.moes += st.moes
             apply_tp(st, self.mesh["tp"], self.config)
             if activation_checkpointing:
                 apply_ac(st)
-            if plan.dp > 1:
-                apply_fsdp(st, self.groups.fsdp_mesh, plan.dp_shard, mp_policy)
+            if plan.dp > 1:  # EP's experts are sharded over the EP ranks instead, and averaged here
+                apply_fsdp(st, self.groups.fsdp_mesh, plan.dp_shard, mp_policy,
+                           ignored=set(expert_params(st.moes)) if plan.ep > 1 else None)
+
         if sharded:
             materialize(self.stages, CheckpointReader(model), self.device, self.config, extra=value_init | lora_init)
         self.has_first = 0 in self.stage_ids
@@ -166,6 +179,9 @@ class ParallelModel:
                                 "with rlkit.parallel.groups.build_groups(plan, tied_ends=True)")
             self._tied_group = self.groups.tied_ends
         self.params = [p for st in self.stages for p in st.parameters()]
+        # (taken after materialize, which gives meta parameters storage as new objects)
+        self.tp_partial = [p for st in self.stages for p in tp_partial_grads(st, self.config)] if plan.tp > 1 else []
+        self.expert_params = expert_params(self.moes) if plan.ep > 1 else []
         # what trains: everything, or with LoRA the adapters only (the base has no grads, no AdamW state)
         self.trainable = [p for p in self.params if p.requires_grad]
         # Plain tensors (no TP, no FSDP): the fused kernel (6x the per-tensor loop at 135M on one CPU
@@ -243,13 +259,17 @@ class ParallelModel:
 
     # ---- forward only ------------------------------------------------------------------------------
     @torch.no_grad()
-    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 routing: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Per-token ``{"logprobs", "entropy"}`` (B, S) fp32 for this rank's batch; column t scores
         token t given tokens < t (column 0 is 0). Every rank of the DP group gets the result.
-        With ``head="value"`` returns ``{"values"}`` instead."""
+        With ``head="value"`` returns ``{"values"}`` instead. ``routing``: a mixture of experts' recorded
+        choices, ``(B, S, layers, k)``, replayed or compared (``set_routing_replay``)."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         batch = {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device)}
+        if routing is not None:
+            batch["routing"] = routing.to(self.device)
         if self.padding_free:
             return self._packed_forward(batch)
         m = self._micro_batches(batch)
@@ -258,7 +278,8 @@ class ParallelModel:
         try:
             if self.plan.pp == 1:
                 outs = [self._as_dict(self.stages[0](mb["input_ids"], attention_mask=mb["attention_mask"],
-                                                     labels=mb["input_ids"])) for mb in split_rows(batch, m)]
+                                                     labels=mb["input_ids"], **_routing(mb)))
+                        for mb in split_rows(batch, m)]
                 out = {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
             else:
                 out = self._pp_forward(batch, m)
@@ -275,7 +296,8 @@ class ParallelModel:
         # Schedules evaluate the loss on the last stage even in eval: hand them a no-op one.
         self._loss_ctx = {"loss_fn": None, "batch": batch}
         extra = {"target": torch.arange(batch_rows(batch), device=self.device)} if self.has_last else {}
-        res = sched.eval(*args, attention_mask=batch["attention_mask"], labels=batch["input_ids"], **extra)
+        res = sched.eval(*args, attention_mask=batch["attention_mask"], labels=batch["input_ids"], **extra,
+                         **_routing(batch))
         self._loss_ctx = {}
         return self._share_last_stage(res, batch["input_ids"].shape)
 
@@ -302,11 +324,12 @@ class ParallelModel:
             st.eval()
         try:
             if self.plan.pp == 1:
-                outs = [self._as_dict(self.stages[0](pk.input_ids, attention_mask=pk.segments, labels=pk.labels))
+                outs = [self._as_dict(self.stages[0](pk.input_ids, attention_mask=pk.segments, labels=pk.labels,
+                                                     **_packed_routing(pk, batch, pk.rows)))
                         for pk in packs]
             else:
                 self._loss_ctx = {"loss_fn": None}
-                joined = self._pp_packed_call(packs, None)
+                joined = self._pp_packed_call(packs, None, batch=batch)
                 self._loss_ctx = {}
                 outs = [dict(zip(joined, parts)) for parts in zip(*(v.chunk(len(packs)) for v in joined.values()))]
         finally:
@@ -320,12 +343,18 @@ class ParallelModel:
         return full_out
 
     def _pp_packed_call(self, packs: list[PackedMicroBatch], loss_fn: LossFn | None,
-                        losses: list | None = None) -> dict[str, torch.Tensor]:
+                        losses: list | None = None, batch: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
         """One pipeline schedule over packed micro-batches of equal shape: ``eval`` without a loss (the
-        last stage's outputs, shared along the pipeline), ``step`` with one."""
+        last stage's outputs, shared along the pipeline), ``step`` with one. ``batch``: where the packs'
+        recorded routing comes from, if any."""
         ids = torch.cat([pk.input_ids for pk in packs])
         seg = torch.cat([pk.segments for pk in packs])
         labels = torch.cat([pk.labels for pk in packs])
+        routed = [_packed_routing(pk, batch or {}, pk.rows) for pk in packs]
+        if routed[0]:
+            extra_kw = {"routing": torch.cat([r["routing"] for r in routed])}
+        else:
+            extra_kw = {}
         m = len(packs)
         sched = self._schedule({"input_ids": ids}, m, train=loss_fn is not None)
         args = (ids,) if self.has_first else ()
@@ -333,9 +362,10 @@ class ParallelModel:
         if self.has_last:  # the target is each row's micro-batch number: _pp_loss finds its samples with it
             extra["target"] = torch.arange(m, device=self.device).repeat_interleave(len(packs[0].input_ids))
         if loss_fn is None:
-            res = sched.eval(*args, attention_mask=seg, labels=labels, **extra)
+            res = sched.eval(*args, attention_mask=seg, labels=labels, **extra, **extra_kw)
         else:
-            sched.step(*args, attention_mask=seg, labels=labels, **extra, **({"losses": losses} if self.has_last else {}))
+            sched.step(*args, attention_mask=seg, labels=labels, **extra, **extra_kw,
+                       **({"losses": losses} if self.has_last else {}))
             return {}
         return self._share_last_stage(res, ids.shape)
 
@@ -363,6 +393,9 @@ class ParallelModel:
         weights = [1.0] * m if weight_fn is None else [float(weight_fn(mb)) if batch_rows(mb) else 0.0
                                                      for mb in parts]
         scales = loss_scales(weights, self.dp_size, self.dp_group, self.device)
+        # the router's losses: a mean over micro-batches (a pipeline schedule divides by m itself) and layers
+        for moe in self.moes:
+            moe.loss_scale = (1.0 / m if self.plan.pp == 1 else 1.0) / moe_layers(self.config)
         total = torch.zeros((), device=self.device)
         if self.plan.pp == 1:
             st = self.stages[0]
@@ -371,10 +404,12 @@ class ParallelModel:
                     st.set_requires_gradient_sync(j == m - 1)
                 if packs:
                     pk = packs[j]
-                    raw = self._as_dict(st(pk.input_ids, attention_mask=pk.segments, labels=pk.labels))
+                    raw = self._as_dict(st(pk.input_ids, attention_mask=pk.segments, labels=pk.labels,
+                                           **_packed_routing(pk, mb)))
                     out = {k: pk.unpack(v) for k, v in raw.items()}
                 else:
-                    out = self._as_dict(st(mb["input_ids"], attention_mask=mb["attention_mask"], labels=mb["input_ids"]))
+                    out = self._as_dict(st(mb["input_ids"], attention_mask=mb["attention_mask"], labels=mb["input_ids"],
+                                           **_routing(mb)))
                 # an empty micro-batch (a DP rank with fewer sequences) adds nothing, but FSDP needs its backward
                 loss = loss_fn(out, mb) if batch_rows(mb) else sum(v.sum() for v in out.values()) * 0.0
                 (loss / m if weight_fn is None else loss * scales[j]).backward()
@@ -384,13 +419,14 @@ class ParallelModel:
                               "weighted": weight_fn is not None}
             losses: list[torch.Tensor] = []  # what _pp_loss returned, per micro-batch
             if packs:
-                self._pp_packed_call(packs, loss_fn, losses)
+                self._pp_packed_call(packs, loss_fn, losses, batch=batch)
             else:
                 sched = self._schedule(batch, m, train=True)
                 args = (batch["input_ids"],) if self.has_first else ()
                 extra = {"target": torch.arange(batch_rows(batch), device=self.device), "losses": losses} \
                     if self.has_last else {}
-                sched.step(*args, attention_mask=batch["attention_mask"], labels=batch["input_ids"], **extra)
+                sched.step(*args, attention_mask=batch["attention_mask"], labels=batch["input_ids"], **extra,
+                           **_routing(batch))
             self._loss_ctx = {}
             if self.has_last:  # weighted: each came back times its scale and m (see _pp_loss)
                 total += torch.stack([x.detach() for x in losses]).sum() / m
@@ -403,6 +439,16 @@ class ParallelModel:
             # table; hand the optimizer a grad laid out like its param (a local slice, no comm).
             if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
                 p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        for p in self.tp_partial:  # each TP rank saw its own heads: the gradient is their sum
+            if p.grad is not None:
+                dist.all_reduce(local(p.grad), group=self.mesh["tp"].get_group())
+        for p in self.expert_params:  # each rank's experts saw its EP group's tokens: average over expert-DP
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            g = local(p.grad)
+            if self.groups.edp_group is not None:
+                dist.all_reduce(g, group=self.groups.edp_group)
+            g.div_(self.dp_size)  # the step's mean over DP ranks, as FSDP's reduction gives the rest
         if self._tied_group is not None:  # the tied copies get the sum of both stages' gradients
             for p in self._tied_copies():
                 if p.grad is not None:
@@ -449,6 +495,49 @@ class ParallelModel:
         norm = self.optimizer_step()
         return {"loss": loss, "grad_norm": norm, "step": self.step, "step_time_s": time.perf_counter() - t0}
 
+    def set_routing_replay(self, replay: bool = True) -> None:
+        """Mixture of experts, for forwards given recorded ``routing``: route by it (``True``, rollout routing
+        replay) or route by this model's own router and only count where it differs (``False``).
+
+        >>> pm.set_routing_replay(True)                                       # doctest: +SKIP
+        """
+        for moe in self.moes:
+            moe.replay = bool(replay)
+
+    def reset_router_stats(self) -> None:
+        """Start the routers' counts afresh on this rank (``router_stats`` reads and resets them everywhere)."""
+        for moe in self.moes:
+            moe.reset_stats()
+
+    def router_stats(self) -> dict[str, Any]:
+        """The mixture-of-experts routers since the last call, over every rank (a collective on every rank):
+        ``load`` (num_layers x E tokens routed to each expert, summed; dense layers' rows 0), the mean
+        load-balancing ``aux_loss`` and ``z_loss`` over forwards and MoE layers, and per layer the tokens with
+        a recorded choice (``recorded``) and those whose own top-k differed from it (``flips``). Then resets
+        the counts.
+
+        >>> pm.router_stats()["load"].shape                                   # doctest: +SKIP
+        torch.Size([4, 8])
+        """
+        n_layers, experts = self.config.num_hidden_layers, int(getattr(self.config, "num_experts", 0) or 0)
+        load = torch.zeros(n_layers, max(experts, 1), dtype=torch.float64)
+        flips = torch.zeros(n_layers, 2, dtype=torch.float64)  # route flips, tokens with a recorded choice
+        sums = torch.zeros(3, dtype=torch.float64)  # aux, z, forwards (per layer)
+        for moe in self.moes:
+            st = moe.stats
+            load[moe.layer] += st["load"]
+            flips[moe.layer] += torch.tensor([st["flips"], st["recorded"]], dtype=torch.float64)
+            sums += torch.tensor([st["aux"], st["z"], st["n"]], dtype=torch.float64)
+            moe.reset_stats()
+        # one copy per TP group (TP ranks route the same tokens): count tp rank 0's
+        if self.coords["tp"]:
+            load.zero_(), sums.zero_(), flips.zero_()
+        for t in (load, sums, flips):
+            dist.all_reduce(t)
+        n = max(float(sums[2]), 1.0)
+        return {"load": load, "aux_loss": float(sums[0]) / n, "z_loss": float(sums[1]) / n,
+                "flips": flips[:, 0], "recorded": flips[:, 1]}
+
     def grad_norm(self) -> float:
         """L2 norm of all gradients of the model (DTensor shards reduced over dp/tp, summed over pp)."""
         sq = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -479,6 +568,8 @@ class ParallelModel:
                    "interleaved-1f1b": pl.ScheduleInterleaved1F1B}[self.plan.pipeline_schedule]
             self._schedules[key] = cls(stages if self.plan.vpp > 1 else stages[0], n_microbatches=m,
                                        loss_fn=self._pp_loss)
+            for moe in self.moes:  # its first use runs a warm-up forward of each stage: not a micro-batch
+                moe.skip_stats = 1
         if train:
             self._loss_ctx["warmup"] = fresh
         return self._schedules[key]
@@ -749,6 +840,21 @@ class ParallelModel:
         if self.plan.pipeline_schedule == "interleaved-1f1b":  # chunks of layers/v (Megatron warm-up)
             return min(2 * (pp - r - 1) + (v - 1) * pp + 1, m * v) / v
         return min(m, pp - r)
+
+
+def _routing(batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The stage keyword for a batch's recorded routing (mixture of experts), if it has one."""
+    r = batch.get("routing")
+    return {} if r is None else {"routing": r}
+
+
+def _packed_routing(pk: PackedMicroBatch, batch: dict[str, Any], rows: Any = None) -> dict[str, torch.Tensor]:
+    """``_routing`` laid out as the packed rows of ``pk`` (``rows``: where its rows sit in ``batch``; None: the
+    batch is the micro-batch's own rows)."""
+    r = batch.get("routing")
+    if r is None:
+        return {}
+    return {"routing": pk.pack(r if rows is None else r[rows], fill=-1)}
 
 
 def _one_line(e: BaseException) -> str:

@@ -61,6 +61,19 @@ class PackedMicroBatch:
         """Real tokens in this micro-batch."""
         return int(self.src.numel())
 
+    def pack(self, per_token: torch.Tensor, fill: float = 0) -> torch.Tensor:
+        """A per-token input of the micro-batch's rows, ``(len(rows), S, ...)``, laid out as the packed rows,
+        ``(r, width, ...)``; ``fill`` where no real token sits (``unpack``'s inverse).
+
+        >>> mb = pack(torch.tensor([[0, 5, 6]]), torch.tensor([[0, 1, 1]]), token_budget=None, n_micro=1)[0]
+        >>> mb.pack(torch.tensor([[[9], [1], [2]]]), fill=-1).tolist()
+        [[[1], [2]]]
+        """
+        rest = per_token.shape[2:]
+        flat = per_token.reshape(-1, *rest)[self.dst]
+        out = torch.full((self.input_ids.numel(), *rest), fill, dtype=per_token.dtype, device=per_token.device)
+        return out.index_copy(0, self.src, flat).view(*self.input_ids.shape, *rest)
+
     def unpack(self, per_token: torch.Tensor) -> torch.Tensor:
         """A model's (r, width) per-token output laid back into (len(rows), S); columns without a real
         token are 0. Differentiable (a gradient flows back to the packed positions).

@@ -156,6 +156,7 @@ class Stage(nn.Module):
         self.ac = False  # activation checkpointing per decoder layer (see apply.apply_ac)
         self.score_from, self.entropy_grad = 1, True  # what token_logprobs scores (ParallelModel.set_scoring)
         self.compute_dtype: torch.dtype | None = None  # bf16: matmuls under autocast, weights stay fp32
+        self.moes: list = []  # the stage's mixture-of-experts layers (rlkit.parallel.moe.apply_moe)
         body = hf_model.model
         self.model = nn.Module()
         self.model.embed_tokens = body.embed_tokens if first else None
@@ -167,16 +168,23 @@ class Stage(nn.Module):
         elif last and head == "value":
             self.value_head = value_head
 
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+                routing: torch.Tensor | None = None):
+        """``routing`` (mixture of experts, optional): ``(B, S, layers, k)`` experts recorded by the engine for
+        each token, which the MoE layers replay or compare against (``rlkit.parallel.moe``)."""
         dtype = self.compute_dtype
         with torch.autocast(x.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            return self._forward(x, attention_mask, labels)
+            return self._forward(x, attention_mask, labels, routing)
 
-    def _forward(self, x: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):
+    def _forward(self, x: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+                 routing: torch.Tensor | None = None):
         h = self.model.embed_tokens(x) if self.first else x
         pos = position_ids_from_mask(attention_mask)
         mask = causal_padding_mask(attention_mask, h.dtype)
         pe = self.model.rotary_emb(h, position_ids=pos)
+        for moe in self.moes:  # which tokens are real (the router's losses and load count those only), and
+            moe.tokens = attention_mask.reshape(-1) != 0  # the engine's choices for them, if recorded
+            moe.recorded = None if routing is None else routing[:, :, moe.layer].reshape(-1, routing.shape[-1])
         for layer in self.model.layers.values():
             if self.ac and torch.is_grad_enabled():
                 h = checkpoint(run_layer, layer, h, mask, pos, pe, use_reentrant=False)

@@ -52,6 +52,10 @@ class ModelSpec:
     o_bias: bool = False
     mlp_bias: bool = False
     max_position_embeddings: int = 4096
+    #: mixture of experts (0: dense): routed experts per MoE layer, experts each token goes to, their width
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -91,6 +95,10 @@ class ModelSpec:
             o_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            # Qwen-MoE's name, Mixtral's, DeepSeek's
+            num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0),
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
         )
 
     @classmethod

@@ -55,7 +55,8 @@ def _check_degree(name: str, value: Any) -> None:
                "pp": "use pp=1 for no pipeline parallelism", "vpp": "use vpp=1 for one stage per pipeline rank",
                "micro_batches": "e.g. micro_batches=pp (None: pp)",
                "devices_per_node": "e.g. devices_per_node=8 (None: all ranks on one node)",
-               "dp_shard_size": "a divisor of dp (None: all of dp)"}.get(name, f"e.g. {name}=1")
+               "dp_shard_size": "a divisor of dp (None: all of dp)",
+               "ep": "use ep=1 for no expert parallelism"}.get(name, f"e.g. {name}=1")
         raise PlanError(f"{name}={value!r} must be a positive integer; {fix}")
 
 
@@ -73,6 +74,11 @@ class ParallelPlan:
         schedule: pipeline schedule, "gpipe" | "1f1b" | "interleaved-1f1b" (default: 1f1b, or
             interleaved-1f1b when vpp > 1).
         devices_per_node: devices on each node for placement (default: all ranks on one node).
+        ep: expert parallelism (mixture-of-experts models): each group of ``ep`` consecutive DP ranks shares
+            one copy of the experts, ``num_experts / ep`` on each, and tokens travel to their experts by
+            all-to-all. Cut out of ``dp`` (Megatron's and TorchTitan's layout), so it divides ``dp`` and
+            leaves the world size alone; the experts are data-parallel (replicated) over the other
+            ``dp / ep`` ranks (``expert_dp``), while the rest of the model is sharded over all ``dp``.
 
     >>> plan = ParallelPlan(dp=4, tp=8, pp=16, devices_per_node=8)
     >>> plan.world_size, len(plan.groups("tp")), len(plan.groups("pp")), len(plan.groups("dp"))
@@ -91,6 +97,7 @@ class ParallelPlan:
     micro_batches: int | None = None
     schedule: str | None = None
     devices_per_node: int | None = None
+    ep: int = 1
     _order: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -111,6 +118,10 @@ class ParallelPlan:
                                 f"got dp_shard_size={size!r}; choose one of {divisors(self.dp)}")
         elif self.dp_shard_size not in (None, self.dp):
             raise PlanError(f"dp_shard_size={self.dp_shard_size!r} only applies with dp_shard='hybrid_shard'")
+        _check_degree("ep", self.ep)
+        if self.dp % self.ep:
+            raise PlanError(f"ep={self.ep} does not divide dp={self.dp}: expert parallelism is cut out of the "
+                            f"data-parallel ranks; choose ep in {divisors(self.dp)} or raise dp")
         if self.vpp > 1 and self.pp == 1:
             raise PlanError(f"vpp={self.vpp} needs pipeline parallelism; set pp>=2 or vpp=1")
         if self.micro_batches is not None:
@@ -160,6 +171,11 @@ class ParallelPlan:
         """How many ranks one copy of the model state is sharded over on the DP dim."""
         return {"replicate": 1, "shard_grad_op": self.dp, "full_shard": self.dp,
                 "hybrid_shard": self.dp_shard_size or self.dp}[self.dp_shard]
+
+    @property
+    def expert_dp(self) -> int:
+        """How many replicas of each expert there are: the DP ranks left over by ``ep`` (``dp // ep``)."""
+        return self.dp // self.ep
 
     @property
     def dp_replicate_degree(self) -> int:
@@ -334,6 +350,13 @@ class ParallelPlan:
         if spec.intermediate_size % self.tp:
             raise PlanError(f"tp={self.tp} does not divide intermediate_size={spec.intermediate_size}; "
                             f"choose tp in {_fmt_set(_common_divisors(heads, kv, spec.intermediate_size))}")
+        experts = spec.num_experts
+        if self.ep > 1 and not experts:
+            raise PlanError(f"ep={self.ep} needs a mixture-of-experts model, but {spec.name or 'the model'} is "
+                            f"dense (no num_experts in its config); use ep=1")
+        if experts and experts % self.ep:
+            raise PlanError(f"ep={self.ep} does not divide num_experts={experts}; each EP rank holds whole "
+                            f"experts: choose ep in {_fmt_set([d for d in divisors(experts) if self.dp % d == 0])}")
         if self.n_stages > spec.num_layers:
             what = f"pp*vpp={self.pp}*{self.vpp}={self.n_stages}" if self.vpp > 1 else f"pp={self.pp}"
             raise PlanError(f"{what} stages but {spec.name or 'the model'} has num_hidden_layers="
@@ -364,6 +387,8 @@ class ParallelPlan:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
         if self.vpp > 1:
             parts.append(f"vpp={self.vpp}")
+        if self.ep > 1:  # not a factor of the world: cut out of dp
+            parts[0] = f"dp={self.dp} (ep={self.ep})"
         return (f"{' x '.join(parts)} = {self.world_size} ranks; DP {self.dp_shard}"
                 + (f"({self.dp_shard_size})" if self.dp_shard == "hybrid_shard" else "")
                 + (f"; {self.pipeline_schedule} with {self.n_micro_batches} micro-batches" if self.pp > 1 else ""))

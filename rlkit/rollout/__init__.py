@@ -26,13 +26,16 @@ def vllm_available() -> bool:
 
 
 def engine_name(rollout: Rollout, path="") -> str:
-    """The engine ``rollout.engine`` resolves to: "auto" is vLLM when installed and ``path`` a folder, else HF.
+    """The engine ``rollout.engine`` resolves to: "auto" is vLLM when installed and ``path`` a folder, else HF
+    (always HF with ``record_routing``).
 
     >>> engine_name(Rollout(engine="hf"))
     'hf'
     """
     if rollout.engine != "auto":
         return rollout.engine
+    if rollout.record_routing:  # the HF engine records the experts each token went to; vLLM's does not
+        return "hf"
     return "vllm" if vllm_available() and isinstance(path, (str, os.PathLike)) else "hf"
 
 

@@ -78,6 +78,10 @@ class RolloutBatch:
     tokens the engine sampled, 0 on tool and environment messages and template glue; ``messages``: each
     sample's conversation after the prompt; ``episodes``: each one's turns, tool calls, errors, truncation.
 
+    ``Rollout(record_routing=True)`` (HF engine, mixture of experts) fills ``routing``: per sample, the experts
+    each of its real tokens went to in every layer, ``(prompt + response tokens, layers, k)`` int16, -1 where
+    none was recorded (``rlkit.rollout.routing``).
+
     >>> b = RolloutBatch.empty(pad_token_id=0)
     >>> b.num_samples, b.input_ids.shape
     (0, torch.Size([0, 0]))
@@ -97,6 +101,7 @@ class RolloutBatch:
     loss_mask: torch.Tensor | None = None
     messages: list[list[dict[str, Any]]] | None = None
     episodes: list[dict[str, Any]] | None = None
+    routing: list[torch.Tensor] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -371,6 +376,10 @@ class RolloutEngine(ABC):
         batch = assemble(sample_prompts, sample_index, responses, logprobs, reasons, texts,
                          self.pad_token_id, skipped, {}, self.name)
         batch.timings = {"prepare": t1 - t0, "generate": t2 - t1, "assemble": time.perf_counter() - t2}
+        if cfg.record_routing:
+            batch.routing = getattr(self, "last_routing", None)
+            if batch.routing is None:
+                raise RolloutError(f"record_routing=True: the {self.name} engine recorded no routing")
         return batch
 
     def __enter__(self):

@@ -113,6 +113,7 @@ class Rollout:
     enforce_eager: bool = True           # vLLM: no CUDA graphs / compile (fast start, what tests want)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed through to vllm.LLM(...)
     script: tuple[tuple[str, str], ...] = ()  # HF: scripted turns, (pattern, response) rules (below)
+    record_routing: bool = False         # HF, mixture of experts: record each token's experts per layer (routing replay)
 
     def __post_init__(self):
         # stop lists arrive as lists from users; keep them hashable tuples
@@ -158,6 +159,11 @@ class Rollout:
             raise RolloutError(f"engine_kwargs={self.engine_kwargs!r} must be a dict of vllm.LLM keyword "
                                f"arguments, e.g. {{'enable_prefix_caching': True}}")
         check_script(self.script)
+        boolean("record_routing", self.record_routing, **err)
+        if self.record_routing and self.engine == "vllm":
+            raise RolloutError("record_routing=True needs the experts the engine chose for every token; rlkit's vLLM "
+                               "engine does not return them (vLLM's CPU build has no routed-experts output): use "
+                               "engine='hf', or record_routing=False")
         if self.script and self.engine == "vllm":
             raise RolloutError(SCRIPT_HF_ONLY)
 

@@ -34,6 +34,7 @@ from transformers import (
 from rlkit.rollout.base import RolloutEngine, left_pad, named_tensor_items
 from rlkit.rollout.config import Rollout, RolloutError
 from rlkit.rollout.decode import KV, decode, decode_continued, token_logprobs, unsupported
+from rlkit.rollout.routing import RoutingRecorder
 
 
 def _as_list(x) -> list[int]:
@@ -321,6 +322,10 @@ class HFEngine(RolloutEngine):
         row_seeds = [(seed * 1_000_003 + j) % 2**63 for seed in seeds for j in range(cfg.n)]
         forced = [f for f in scripted_tokens(cfg.script, self.tokenizer, prompts) for _ in range(cfg.n)] \
             if cfg.script else None
+        self.last_routing = [] if cfg.record_routing else None
+        if cfg.record_routing and keys is not None:
+            raise RolloutError("record_routing=True with continued samples (streaming) is not supported yet: a "
+                               "sample's routing would span several calls; use record_routing=False with streaming")
         with torch.random.fork_rng(devices=devices):  # nothing here moves the caller's RNG
             for start in range(0, len(rows), chunk):
                 ids, mask = left_pad(rows[start:start + chunk], self.pad_token_id)
@@ -348,6 +353,8 @@ class HFEngine(RolloutEngine):
                     responses.append(row[:end])
                     logprobs.append(row_lp[:end])
                     reasons.append(reason)
+                    if cfg.record_routing:  # the prompt's and the kept tokens' choices (the last token's: none)
+                        self.last_routing.append(self._chunk_routing[r][:len(rows[start + r]) + end])
                     if kv is not None and reason == "length" and (room is None or end < room[start + r]):
                         self.kv.put(keys[start + r], kv[r])  # it goes on next chunk
         return responses, logprobs, reasons
@@ -356,6 +363,8 @@ class HFEngine(RolloutEngine):
         """Why the lean loop cannot run this chunk (None: it can)."""
         if cfg.hf_decode == "generate":
             return "hf_decode='generate'"
+        if cfg.record_routing:
+            return "record_routing=True"
         return unsupported(self.model, ids.shape[1] + cfg.max_new_tokens)
 
     def _lean_ends(self, cfg: Rollout, sampler: _SeededSampling | _Scripted | None) -> tuple:
@@ -377,10 +386,14 @@ class HFEngine(RolloutEngine):
         if why is None:
             return decode(self.model, ids, mask, cfg.max_new_tokens, *self._lean_ends(cfg, sampler), temp)
         stopping = StoppingCriteriaList([_StopOnStrings(self.tokenizer, cfg.stop, ids.shape[1])] if cfg.stop else [])
-        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                                  generation_config=self._generation_config(cfg), stopping_criteria=stopping,
-                                  logits_processor=LogitsProcessorList([sampler] if sampler is not None else []))
+        recorder = RoutingRecorder(self.model) if cfg.record_routing else contextlib.nullcontext()
+        with recorder:
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                                      generation_config=self._generation_config(cfg), stopping_criteria=stopping,
+                                      logits_processor=LogitsProcessorList([sampler] if sampler is not None else []))
         new = out.sequences[:, ids.shape[1]:]
+        if cfg.record_routing:  # every new token's choices; _generate_chunks keeps each row's up to its end
+            self._chunk_routing = recorder.per_row(mask, [new.shape[1]] * new.shape[0])
         # log-prob of each sampled token under softmax(raw logits / T), one step at a time so the
         # (rows, vocab) float32 copy exists once, not per step
         return new, torch.stack([token_logprobs(step, new[:, t], temp) for t, step in enumerate(out.logits)], 1)

@@ -118,6 +118,12 @@ class SequenceLayout:
                       uid=[prompts["uid"][i] for i in rows], row=[prompts["row"][i] for i in rows],
                       completion=list(out.texts), finish_reason=list(out.finish_reason),
                       timing=out.timings.get("generate", 0.0))
+        if out.routing is not None:  # each sample's recorded experts at its real tokens' columns
+            k = out.routing[0].shape[1:] if out.routing else (0, 0)
+            batch.routing = torch.full((n, P + R, *k), -1, dtype=torch.int16)
+            for i, rt in enumerate(out.routing):
+                p_i = int(out.prompt_mask[i].sum())
+                batch.routing[i, P - p_i:P - p_i + rt.shape[0]] = rt
         if out.loss_mask is not None:  # multi-turn: only the sampled tokens carry loss; the completion is a chat
             batch.loss_mask = torch.zeros(n, R)
             batch.loss_mask[:, :r] = out.loss_mask.float()

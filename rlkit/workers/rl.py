@@ -88,7 +88,8 @@ class RLWorker:
                  need_ref: bool = False, need_critic: bool = False, seed: int = 0, colocate_rollout: bool = True,
                  precision: str = "fp32", padding_free: bool = False, micro_batch_tokens: int | None = None,
                  lora: Any = None, agent: Any = None, train_backend: Backend | None = None,
-                 ref_path: str | None = None):
+                 ref_path: str | None = None, router: tuple[float, float] = (0.0, 0.0),
+                 routing_replay: bool = False):
         from transformers import AutoConfig
 
         torch.manual_seed(seed)
@@ -102,7 +103,9 @@ class RLWorker:
             config = AutoConfig.from_pretrained(str(model_path))
             groups = build_groups(plan, tied_ends=bool(getattr(config, "tie_word_embeddings", False)) and plan.pp > 1)
         common = dict(max_grad_norm=max_grad_norm, seed=seed, eps=1e-6, precision=precision, groups=groups)
-        self.actor = make_model(backend, model_path, plan, lr=actor_lr, lora=lora, **common)
+        # a mixture of experts' router losses (the driver allows them on the torch backend only)
+        moe = dict(zip(("router_aux_coef", "router_z_coef"), router)) if any(router) else {}
+        self.actor = make_model(backend, model_path, plan, lr=actor_lr, lora=lora, **common, **moe)
         # LoRA: the reference is the actor with its adapters off (no second copy of the model, as TRL and verl);
         # a distillation teacher (ref_path) takes the reference's place, sharded by the same plan
         self.ref = make_model(backend, ref_path or model_path, plan, lr=0.0, **common) \
@@ -115,6 +118,10 @@ class RLWorker:
         for model in (self.actor, self.ref, self.critic):  # every scoring pass and update packs alike
             if model is not None:
                 model.set_packing(padding_free, micro_batch_tokens)
+        if getattr(self.actor, "moes", None):  # a batch's recorded routing: replayed, or only compared
+            self.actor.set_routing_replay(routing_replay)
+            if self.critic is not None:  # replay matches the engine's policy; the critic routes as it learns
+                self.critic.set_routing_replay(False)
         self.dp_rank = plan.coords(self.rank)["dp"]
         self.hybrid = None
         gen_tp = rollout.tp
@@ -169,7 +176,7 @@ class RLWorker:
         """The actor's ``logprobs`` and ``entropy`` of the response tokens (pi_old, before an update)."""
         self._training_layout()
         batch = Batch.of(batch)
-        out = self.actor.logprobs(batch.input_ids, batch.attention_mask)
+        out = self.actor.logprobs(batch.input_ids, batch.attention_mask, **_routing_of(batch))
         return Scored(logprobs=self.layout.response(out["logprobs"]), entropy=self.layout.response(out["entropy"]))
 
     def ref_logprobs(self, batch: Batch) -> RefScored:
@@ -203,7 +210,12 @@ class RLWorker:
             stats.append({**m, WEIGHT: loss_weight(mb, settings.loss_agg)})
             return loss
 
-        return _epochs(self.actor, Batch.of(batch), settings, loss_fn, stats, "actor", settings.loss_agg)
+        if getattr(self.actor, "moes", None):  # count the routers of the update's forwards only
+            self.actor.reset_router_stats()
+        out = _epochs(self.actor, Batch.of(batch), settings, loss_fn, stats, "actor", settings.loss_agg)
+        if getattr(self.actor, "moes", None):
+            out |= router_metrics(self.actor.router_stats())
+        return out
 
     def update_critic(self, batch: Batch, settings: UpdateSettings) -> dict[str, float]:
         """The critic's clipped value regression on this DP rank's chunk (its own learning rate)."""
@@ -425,6 +437,43 @@ def is_maximum(key: str) -> bool:
     (True, False, False)
     """
     return "offpolicy/" in key and "max" in key.rsplit("/", 1)[-1]
+
+
+def _routing_of(batch: Batch) -> dict[str, torch.Tensor]:
+    """The actor's ``routing=`` for a batch with the engine's recorded routing (mixture of experts)."""
+    return {} if batch.routing is None else {"routing": batch.routing}
+
+
+def router_metrics(stats: dict[str, Any]) -> dict[str, float]:
+    """A mixture of experts' routing in an update, as metrics: the router's mean load-balancing and z-loss, and
+    per MoE layer the expert load's imbalance, the busiest expert's tokens over the mean (1.0: even;
+    ``num_experts / top_k`` at worst), and its maximum over layers.
+
+    With the engine's recorded routing, the route-flip rate too: per layer, the share of tokens whose router
+    chose other experts than the engine (whether or not the forward replayed the engine's), and overall.
+
+    >>> load = torch.tensor([[4., 4., 4., 4.], [8., 4., 4., 0.], [0., 0., 0., 0.]])
+    >>> router_metrics({"load": load, "aux_loss": 1.5, "z_loss": 2.0})
+    {'router/aux_loss': 1.5, 'router/z_loss': 2.0, 'router/load_max/0': 1.0, 'router/load_max/1': 2.0, 'router/load_max': 2.0}
+    >>> m = router_metrics({"load": load, "aux_loss": 1.5, "z_loss": 2.0, "flips": torch.tensor([1., 3., 0.]),
+    ...                     "recorded": torch.tensor([8., 8., 0.])})
+    >>> m["router/flip_rate/0"], m["router/flip_rate/1"], m["router/flip_rate"]
+    (0.125, 0.375, 0.25)
+    """
+    out = {"router/aux_loss": float(stats["aux_loss"]), "router/z_loss": float(stats["z_loss"])}
+    load = stats["load"]
+    for i, row in enumerate(load):
+        if row.sum() > 0:  # a dense layer routes nothing
+            out[f"router/load_max/{i}"] = float(row.max() / row.mean())
+    out["router/load_max"] = max((v for k, v in out.items() if k.startswith("router/load_max/")), default=1.0)
+    recorded = stats.get("recorded")
+    if recorded is not None and float(recorded.sum()) > 0:  # the engine's routing came with the batch
+        flips = stats["flips"]
+        for i, n in enumerate(recorded):
+            if n > 0:
+                out[f"router/flip_rate/{i}"] = float(flips[i] / n)
+        out["router/flip_rate"] = float(flips.sum() / recorded.sum())
+    return out
 
 
 def loss_weight(mb: dict[str, Any], agg: str) -> float:
