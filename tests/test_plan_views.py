@@ -67,6 +67,20 @@ def test_small_plan_widget_recolours_by_group_and_shows_details():
         view.dim = "ep"
 
 
+def test_expert_parallel_groups_in_the_grid():
+    """ParallelPlan(dp=4, tp=2, ep=2): EP groups pair consecutive DP ranks of one TP coordinate (Megatron order:
+    ranks 0 and 2 are dp 0 and 1 at tp 0), which the 'EP groups' button colours; a dense plan has no EP view."""
+    plan = ParallelPlan(dp=4, tp=2, ep=2)
+    view = PlanView(plan, dim="ep")
+    groups = {r: i for i, g in enumerate([[0, 2], [1, 3], [4, 6], [5, 7]]) for r in g}  # written out by hand
+    for a, b in itertools.combinations(range(8), 2):
+        assert (view.color_of(a) == view.color_of(b)) == (groups[a] == groups[b]), (a, b)
+    assert "4 EP groups of 2" in view.legend.value and "all-to-all" in view.legend.value
+    assert "EP group: [4, 6]" in view.facts.tooltip(6)
+    with pytest.raises(PlanError, match="dim='ep' colours ranks by expert-parallel group"):
+        PlanView(ParallelPlan(dp=4), dim="ep")
+
+
 def test_512_rank_widget_colours_every_group_apart():
     # (its build time is measured in bench/bench_search.py, not asserted here)
     plan = ParallelPlan(**BIG)

@@ -135,3 +135,13 @@ def test_routing_is_compared_without_replay(tmp_path, moe_path):
         assert (s.old_logprobs - own)[s.response_mask.bool()].abs().max() < 1e-4
         row = tr.update(batch)
     assert 0 < row["router/flip_rate"] < 0.5
+
+
+@pytest.mark.ray
+def test_replay_through_one_step_off_async(tmp_path, moe_path):
+    """Split placement with one step off policy: the rollout workers' engine records, the actor replays the
+    recorded routing of the batch sampled a version earlier (flips now include the version's drift)."""
+    with _trainer(tmp_path, moe_path, placement="split", off_policy_steps=1, offpolicy_correction="tis") as tr:
+        df = tr.fit(steps=2, view="none")
+    assert df["router/flip_rate"].notna().all() and (df["router/flip_rate"] < 0.5).all(), df["router/flip_rate"]
+    assert df["offpolicy/staleness_max"].tolist()[-1] == 1

@@ -504,6 +504,12 @@ class ParallelModel:
         for moe in self.moes:
             moe.replay = bool(replay)
 
+    def set_flip_counting(self, on: bool) -> None:
+        """Whether forwards given recorded routing count route flips (``router_stats``), e.g. only while the
+        weights are still the ones the engine sampled with."""
+        for moe in self.moes:
+            moe.count_flips = bool(on)
+
     def reset_router_stats(self) -> None:
         """Start the routers' counts afresh on this rank (``router_stats`` reads and resets them everywhere)."""
         for moe in self.moes:
@@ -513,8 +519,9 @@ class ParallelModel:
         """The mixture-of-experts routers since the last call, over every rank (a collective on every rank):
         ``load`` (num_layers x E tokens routed to each expert, summed; dense layers' rows 0), the mean
         load-balancing ``aux_loss`` and ``z_loss`` over forwards and MoE layers, and per layer the tokens with
-        a recorded choice (``recorded``) and those whose own top-k differed from it (``flips``). Then resets
-        the counts.
+        a recorded choice (``recorded``) and those whose own top-k differed from it (``flips``), and the
+        bytes a rank sent to others by the forwards' all-to-alls (``a2a_bytes_per_rank``: dispatch and combine;
+        backward sends as much again). Then resets the counts.
 
         >>> pm.router_stats()["load"].shape                                   # doctest: +SKIP
         torch.Size([4, 8])
@@ -522,12 +529,12 @@ class ParallelModel:
         n_layers, experts = self.config.num_hidden_layers, int(getattr(self.config, "num_experts", 0) or 0)
         load = torch.zeros(n_layers, max(experts, 1), dtype=torch.float64)
         flips = torch.zeros(n_layers, 2, dtype=torch.float64)  # route flips, tokens with a recorded choice
-        sums = torch.zeros(3, dtype=torch.float64)  # aux, z, forwards (per layer)
+        sums = torch.zeros(4, dtype=torch.float64)  # aux, z, forwards (per layer), all-to-all bytes sent
         for moe in self.moes:
             st = moe.stats
             load[moe.layer] += st["load"]
             flips[moe.layer] += torch.tensor([st["flips"], st["recorded"]], dtype=torch.float64)
-            sums += torch.tensor([st["aux"], st["z"], st["n"]], dtype=torch.float64)
+            sums += torch.tensor([st["aux"], st["z"], st["n"], st["a2a_bytes"]], dtype=torch.float64)
             moe.reset_stats()
         # one copy per TP group (TP ranks route the same tokens): count tp rank 0's
         if self.coords["tp"]:
@@ -536,7 +543,8 @@ class ParallelModel:
             dist.all_reduce(t)
         n = max(float(sums[2]), 1.0)
         return {"load": load, "aux_loss": float(sums[0]) / n, "z_loss": float(sums[1]) / n,
-                "flips": flips[:, 0], "recorded": flips[:, 1]}
+                "flips": flips[:, 0], "recorded": flips[:, 1],
+                "a2a_bytes_per_rank": float(sums[3]) / (dist.get_world_size() // self.plan.tp)}
 
     def grad_norm(self) -> float:
         """L2 norm of all gradients of the model (DTensor shards reduced over dp/tp, summed over pp)."""

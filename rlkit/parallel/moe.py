@@ -81,11 +81,12 @@ class MoE(nn.Module):
         # routes by them, "observe" only counts how often the router's own choice differs (route flips)
         self.recorded: torch.Tensor | None = None
         self.replay = True
+        self.count_flips = True
         self.reset_stats()
 
     def reset_stats(self) -> None:
         self.stats = {"load": torch.zeros(self.num_experts, dtype=torch.float64), "aux": 0.0, "z": 0.0, "n": 0,
-                      "flips": 0, "recorded": 0}
+                      "flips": 0, "recorded": 0, "a2a_bytes": 0}
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(logits (T, E), probs (T, E) fp32, experts (T, k), weights (T, k))``, as transformers' router; with
@@ -98,7 +99,7 @@ class MoE(nn.Module):
         if rec is not None and rec.shape[0] == x.shape[0]:
             rec = rec.to(x.device).long()
             have = (rec >= 0).all(-1) & self._real(x)
-            if self._counting():  # a flip: this router's top-k is not the engine's (as sets)
+            if self.count_flips and self._counting():  # a flip: this router's top-k is not the engine's (as sets)
                 differ = (idx.sort(-1).values != rec.sort(-1).values).any(-1)
                 self.stats["flips"] += int((differ & have).sum())
                 self.stats["recorded"] += int(have.sum())
@@ -155,6 +156,9 @@ class MoE(nn.Module):
         send = counts.view(ep, n_local).sum(1).tolist()
         recv = got.sum(1).tolist()
         rows = all_to_all_single_autograd(x[tok], recv, send, self.ep_group)
+        if self._counting():  # what leaves this rank: dispatched rows, then their outputs sent back (forward)
+            away = sum(send) - send[self.ep_rank] + sum(recv) - recv[self.ep_rank]
+            self.stats["a2a_bytes"] += away * x.shape[-1] * x.element_size()
         # arrived grouped by source rank, then expert: regroup by expert, run each, put back
         which = torch.arange(n_local, device=x.device).repeat(ep).repeat_interleave(got.reshape(-1))
         perm = which.argsort(stable=True)

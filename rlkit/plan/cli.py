@@ -88,7 +88,9 @@ def report(plan: ParallelPlan, model: Any = None, *, seq_len: int = 4096, micro_
         from rlkit.plan.spec import as_spec
 
         spec = as_spec(model)
-        out.append(f"Model: {spec.name}: {spec.num_params / 1e9:.2f}B params, {spec.num_layers} layers, "
+        moe = (f" ({spec.active_params / 1e9:.2f}B active: {spec.num_experts} experts, top-{spec.num_experts_per_tok})"
+               if spec.is_moe else "")
+        out.append(f"Model: {spec.name}: {spec.num_params / 1e9:.2f}B params{moe}, {spec.num_layers} layers, "
                    f"{spec.num_attention_heads} heads / {spec.num_key_value_heads} KV heads")
     out += ["", "Groups (the ranks that communicate along one dimension):", *_groups_lines(plan)]
     for w in plan.placement_warnings():

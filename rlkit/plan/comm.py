@@ -10,13 +10,16 @@ from typing import TYPE_CHECKING, Any
 
 from rlkit.errors import PlanError
 from rlkit.plan.sharding import (
+    Shard,
     chunk_len,
     chunk_overlap,
+    is_expert,
     layer_tensors,
     owned_tensors,
     rank_shard,
     root_tensors,
     split_dims,
+    stage_layer_kinds,
 )
 from rlkit.plan.units import PRECISIONS, check_common, dtype_bytes, positive_int, recompute_mode
 
@@ -63,7 +66,7 @@ def bandwidth(value: Any, what: str = "bandwidth") -> float:
 def _ring_factor(collective: str, n: int) -> float:
     if collective.startswith("all-reduce"):
         return 2 * (n - 1) / n
-    if collective.startswith(("all-gather", "reduce-scatter")):
+    if collective.startswith(("all-gather", "reduce-scatter", "all-to-all")):
         return (n - 1) / n
     return 1.0  # point to point
 
@@ -127,6 +130,18 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
     forward (unless it is the last stage) and their gradient backward (unless it is the first);
     ``/tp`` with ``sequence_parallel``, where each TP rank holds and sends a 1/tp slice.
 
+    **EP** (mixture-of-experts models with ``plan.ep > 1``; ``rlkit.parallel.moe``): per sparse layer and
+    micro-batch, the forward's two all-to-alls (dispatch: each token's hidden state to the ranks of its
+    ``k`` experts; combine: the expert outputs back) and the backward's two (their gradients, in reverse):
+    4 calls of ``micro_batch x seq_len x top_k x hidden x compute bytes`` (+2 with ``recompute="full"``),
+    of which the share ``(ep - 1)/ep`` leaves the rank (a uniform router: the rest stays on the rank).
+    The experts' weights are outside FSDP under EP, so a sparse layer's FSDP unit is its attention, norms
+    and router, and each rank all-reduces its ``E/ep`` experts' gradients over the ``dp/ep`` expert-DP
+    ranks (dim "dp", collective "all-reduce (experts)", one call per expert tensor). With ``ep == 1`` the
+    experts are ordinary FSDP parameters of their layer. TP splits only the attention of a sparse layer
+    (the router and experts run whole on every TP rank), so a sparse layer has 1 forward and 1 backward TP
+    all-reduce (``tp_layout="per-module"``: 3 backward, for q, k, v).
+
     **Weight sync** (``rollout_tp=t_g``: the 3D-HybridEngine reshards the actor into generation
     tensor parallel t_g once per step, before generating): dim "reshard" rows, "all-gather (dp)" (with
     FSDP sharding: each parameter's TP-local piece gathered inside the DP group) and "broadcast
@@ -171,6 +186,14 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
     layers_per_rank = [0] * pp
     for st, rng in enumerate(plan.stage_layers(spec.num_layers)):
         layers_per_rank[st % pp] += len(rng)
+    ep = plan.ep
+    kinds = stage_layer_kinds(spec, plan)
+    # each layer kind's FSDP unit (the routed experts leave FSDP under expert parallelism)
+    kind_t = {k: tuple(x for x in (layer_t if k == bool(spec.sparse_layers) else layer_tensors(spec, k))
+                       if not (ep > 1 and is_expert(x))) for kk in kinds for k in kk}
+    expert_el = (sum(x[1] * x[2] for x in layer_tensors(spec, True) if is_expert(x)) // ep
+                 if spec.is_moe else 0)
+    n_expert_t = sum(1 for x in layer_tensors(spec, True) if is_expert(x)) if spec.is_moe else 0
 
     links = _links(plan, per, S)
     layout = _reshard_layout(plan, spec, rollout_tp) if rollout_tp is not None else None
@@ -180,16 +203,19 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
         first, last = p == 0, p == pp - 1
         out: list[tuple[str, str, int, int, int]] = []  # dim, collective, group, calls, total message bytes
         # -- DP
+        n_sparse = kinds[p].get(True, 0)
         if plan.dp > 1:
-            lay = rank_shard(layer_t, 1, tp, 0, S, 0)
             root = rank_shard(root_tensors(spec, pp, tp, p, "actor", vocab_parallel), 1, tp, 0, S, 0)
-            unit_full = {"layer": lay.padded * S, "root": root.padded * S}
-            units = {"layer": L, "root": 1 if root.tensors else 0}
+            unit_full = {k: rank_shard(kind_t[k], 1, tp, 0, S, 0).padded * S for k in kinds[p]}
+            unit_full["root"] = root.padded * S
+            units: dict = dict(kinds[p])
+            units["root"] = 1 if root.tensors else 0
             syncs = 1  # grads reduced after the last micro-batch only
             if pp > 1:
-                gathers = {"layer": 1 if plan.dp_shard == "shard_grad_op" else min(m, pp - p) + m, "root": 1}
+                layer_gathers = 1 if plan.dp_shard == "shard_grad_op" else min(m, pp - p) + m
+                gathers = {**{k: layer_gathers for k in kinds[p]}, "root": 1}
             else:
-                gathers = {"layer": (1 if plan.dp_shard == "shard_grad_op" else 2) * m, "root": m}
+                gathers = {**{k: (1 if plan.dp_shard == "shard_grad_op" else 2) * m for k in kinds[p]}, "root": m}
             n_units = sum(units.values())
             if S > 1:
                 out.append(("dp", "all-gather", S, sum(units[k] * gathers[k] for k in units),
@@ -199,10 +225,21 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
             if R > 1:
                 out.append(("dp", "all-reduce", R, n_units * syncs,
                             sum(units[k] * unit_full[k] for k in units) // S * syncs * gb))
+            if ep > 1 and plan.expert_dp > 1 and n_sparse:  # the experts' grads, averaged over expert-DP
+                out.append(("dp", "all-reduce (experts)", plan.expert_dp, n_sparse * n_expert_t * syncs,
+                            n_sparse * expert_el * syncs * gb))
+        # -- EP: dispatch and combine all-to-alls, forward and backward (and the recomputed forward)
+        if ep > 1 and n_sparse:
+            calls = (4 + 2 * full_recompute) * n_sparse * m
+            out.append(("ep", "all-to-all", ep, calls, calls * act * spec.num_experts_per_tok))
         # -- TP
         if tp > 1:
             backward = 2 if tp_layout == "fused" else 5
-            calls = (2 + backward + 2 * full_recompute) * L * m + (m * first + m * last) * vocab_parallel
+            # a sparse layer splits only its attention (DeepSeek's shared experts split like an MLP)
+            attn_only = n_sparse if not spec.n_shared_experts else 0
+            per_attn = 1 + (1 if tp_layout == "fused" else 3) + full_recompute
+            calls = ((2 + backward + 2 * full_recompute) * (L - attn_only) + per_attn * attn_only) * m \
+                + (m * first + m * last) * vocab_parallel
             if sequence_parallel:
                 out.append(("tp", "all-gather", tp, calls, calls * act))
                 out.append(("tp", "reduce-scatter", tp, calls, calls * act))
@@ -224,7 +261,7 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
                 out.append(("pp", "send/recv backward", 2, bwd, bwd * msg))
         rows = []
         for dim, coll, n, calls, total in out:
-            link = links[(dim, coll.split(" ")[0])]
+            link = links[(dim, coll) if (dim, coll) in links else (dim, coll.split(" ")[0])]
             wire = int(round(total * _ring_factor(coll, n)))
             rows.append(dict(dim=dim, collective=coll, group_size=n, calls_per_step=calls,
                              bytes_per_call=total // calls, bytes_per_step=wire, link=link,
@@ -239,7 +276,7 @@ def estimate_communication(plan: ParallelPlan, model: Any, *, seq_len: int = 204
         # layer count and the two ends are the only candidates (ties go to the lowest pipeline rank)
         first_of = {}
         for p, n in enumerate(layers_per_rank):
-            first_of.setdefault(n, p)
+            first_of.setdefault((n, tuple(sorted(kinds[p].items()))), p)
         candidates = sorted({0, pp - 1, *first_of.values()})
         by_stage = {p: rows_of(p) for p in candidates}
         stage = max(candidates, key=lambda p: (sum(r["time_s"] for r in by_stage[p]), -p))
@@ -269,7 +306,7 @@ def _links(plan: ParallelPlan, per: int, S: int) -> dict[tuple[str, str], str]:
     micro-batches or the schedule), so it is memoised on those: a plan search asks it for many
     plans that share a layout, and each answer enumerates every rank's groups.
     """
-    key = (plan.dp, plan.tp, plan.pp, plan.vpp > 1, plan.order, plan.dp_shard == "hybrid_shard", per, S)
+    key = (plan.dp, plan.tp, plan.pp, plan.vpp > 1, plan.order, plan.dp_shard == "hybrid_shard", per, S, plan.ep)
     if key not in _LINKS_CACHE:
         if len(_LINKS_CACHE) > 4096:
             _LINKS_CACHE.clear()
@@ -288,7 +325,12 @@ def _links_uncached(plan: ParallelPlan, per: int, S: int) -> dict[tuple[str, str
     pairs = [[g[i], g[(i + 1) % len(g)]] for g in pp_groups
              for i in range(len(g) if plan.vpp > 1 else len(g) - 1)]
     tp_kind = kind(plan.groups("tp")) if plan.tp > 1 else "intra"
-    return {("dp", "all-gather"): kind(shard), ("dp", "reduce-scatter"): kind(shard),
+    # expert parallelism: consecutive ranks of each DP group share the experts; expert-DP strides over them
+    ep = plan.ep
+    ep_groups = [g[k:k + ep] for g in dp_groups for k in range(0, len(g), ep)] if ep > 1 else []
+    edp_groups = [g[i::ep] for g in dp_groups for i in range(ep)] if ep > 1 else []
+    return {("ep", "all-to-all"): kind(ep_groups), ("dp", "all-reduce (experts)"): kind(edp_groups),
+            ("dp", "all-gather"): kind(shard), ("dp", "reduce-scatter"): kind(shard),
             ("dp", "all-reduce"): kind(replica if plan.dp_shard == "hybrid_shard" else dp_groups),
             ("tp", "all-reduce"): tp_kind, ("tp", "all-gather"): tp_kind, ("tp", "reduce-scatter"): tp_kind,
             ("pp", "send/recv"): kind(pairs)}
@@ -341,7 +383,7 @@ def _reshard_ranks(spec: Any, plan: ParallelPlan, layout: Any, nbytes: int) -> A
     owned = owned_tensors(spec, plan)
     S = plan.dp_shard_degree if plan.dp > 1 else 1
     tied_copy = spec.tie_word_embeddings and plan.pp > 1
-    layers = [count for (_t, count), _root in owned]
+    layer_groups = [stage[:-1] for stage in owned]  # (tensors, count) of each layer kind; the root is last
     cache: dict[tuple[int, int, int], dict[str, int]] = {}
     bcast: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
@@ -351,8 +393,12 @@ def _reshard_ranks(spec: Any, plan: ParallelPlan, layout: Any, nbytes: int) -> A
         if (p, t) not in bcast:
             bcast[(p, t)] = _broadcasts(owned, plan, layout.tp, p, t)
         received, calls, sent, gen = bcast[(p, t)]
-        layer_t, root_t = _stage_tensors(spec, plan, p)
-        lay, root = rank_shard(layer_t, layers[p], plan.tp, t, S, j), rank_shard(root_t, 1, plan.tp, t, S, j)
+        root_t = _stage_tensors(spec, plan, p)[1]
+        lay = Shard()
+        for tensors, count in layer_groups[p]:
+            sh = rank_shard(tensors, count, plan.tp, t, S, j)
+            lay = Shard(lay.padded + sh.padded, lay.actual + sh.actual, lay.local + sh.local, lay.tensors + sh.tensors)
+        root = rank_shard(root_t, 1, plan.tp, t, S, j)
         head = tuple(x for x in root_t if x[0] == "lm_head") if tied_copy else ()
         copy = rank_shard(head, 1, plan.tp, t, S, j)  # a tied embedding's last-stage copy (else nothing)
         gather, gathers, held = 0, 0, 0

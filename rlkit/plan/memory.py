@@ -19,10 +19,12 @@ from rlkit.errors import PlanError
 from rlkit.plan.sharding import (
     Shard,
     chunk_len,
+    is_expert,
     layer_tensors,
     rank_shard,
     reused_by_generation,
     root_tensors,
+    stage_layer_kinds,
     uneven_splits,
 )
 from rlkit.plan.spec import LORA_TARGETS, LoraSpec
@@ -131,7 +133,48 @@ def _layer_activation_bytes(spec: ModelSpec, s: int, b: int, tp: int, act_bytes:
         n = (34 * s * b * h + scores) // tp
     else:
         n = 10 * s * b * h + (24 * s * b * h + scores) // tp
-    return n * act_bytes // 2
+    qk_norm = 0
+    if spec.qk_norm:
+        # Qwen3's per-head RMSNorm on q and k (transformers' RMSNorm): the fp32 input, its rsqrt per head and
+        # the normed output in the compute dtype, on each rank's heads
+        heads = -(-spec.num_attention_heads // tp) + -(-spec.num_key_value_heads // tp)
+        qk_norm = s * b * ((4 + act_bytes) * heads * spec.head_dim + 4 * heads)
+    return n * act_bytes // 2 + qk_norm
+
+
+def _moe_layer_activation_bytes(spec: ModelSpec, s: int, b: int, tp: int, act_bytes: int, sequence_parallel: bool,
+                                flash_attention: bool, recompute: str = "none", ep: int = 1) -> int:
+    """Bytes one sparse (mixture-of-experts) decoder layer saves for backward, for one micro-batch: the dense
+    layer's (Korthikanti) less its MLP's share (input 2, the two 4h outputs 8 + 8, dropout mask 1, in sbh
+    units of 16-bit activations; TP splits the 16), plus what the MoE MLP saves per token (``rlkit.parallel.moe``
+    and transformers' experts, counted tensor by tensor; the router and experts run on every token on each TP
+    rank):
+
+    * its input, ``h`` (read by the router and gathered for dispatch);
+    * the router: softmax probabilities (fp32) and the router losses' copies of the real tokens' logits and
+      probabilities: ``E x (8 + compute bytes)``, + 4 more with 16-bit logits (their fp32 upcast);
+    * the **dispatch buffers**: the ``k`` rows of ``h`` each token sends to its experts, as the experts receive
+      them, and the ``k`` rows the combine returns (kept for the routing-weight product): ``2 k h``, the
+      all-to-all's payloads under expert parallelism;
+    * each routed row through its expert: the gate/up output ``2 I``, the SiLU and the product ``I`` each:
+      ``4 k I``; its routing weight ``k``; the top-k weights and indices (fp32 / int64) and the permutation
+      indices of the dispatch (int64: 5 per slot under EP, 3 in transformers' loop);
+    * shared experts (DeepSeek): a dense gated MLP ``n_shared x I`` wide, split by TP: ``4 n_shared I / tp``.
+
+    >>> from rlkit.plan.spec import as_spec
+    >>> spec = as_spec("qwen3-30b-a3b")
+    >>> moe = _moe_layer_activation_bytes(spec, 4096, 1, 1, 2, False, True)
+    >>> moe > _layer_activation_bytes(spec, 4096, 1, 1, 2, False, True)   # 8 experts x 768 > one 6144 MLP
+    True
+    """
+    dense = _layer_activation_bytes(spec, s, b, tp, act_bytes, sequence_parallel, flash_attention, recompute)
+    h, cb = spec.hidden_size, act_bytes
+    mlp = (19 * s * b * h // tp if sequence_parallel or tp == 1 else 3 * s * b * h + 16 * s * b * h // tp) * cb // 2
+    k, e, i = spec.num_experts_per_tok, spec.num_experts, spec.moe_intermediate_size
+    per_token = (h * cb + e * (8 + cb + (4 if cb < 4 else 0)) + 24
+                 + k * (2 * h * cb + 4 * i * cb + cb + 4 + 8 * (5 if ep > 1 else 3))
+                 + 4 * spec.n_shared_experts * i * cb // tp)
+    return dense - mlp + s * b * per_token
 
 
 def _layer_saved(spec: ModelSpec, s: int, b: int, tp: int, cb: int, sequence_parallel: bool, eager: bool,
@@ -367,6 +410,21 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     kv_cache + max(transient, rollout_weights), or with ``sleep=True`` persistent + max(transient,
     rollout_weights + kv_cache): the peak of the training and generation phases.
 
+    **Mixture of experts** (``ModelSpec.sparse_layers``; ``plan.ep``), as ``rlkit.parallel.moe`` lays a sparse
+    layer out: the router ``mlp.gate`` (E, H) is an ordinary parameter (FSDP-sharded, whole on every TP rank);
+    the routed experts ``experts.gate_up_proj`` (E, 2I, H) and ``experts.down_proj`` (E, H, I) are, with
+    ``ep == 1``, FSDP-sharded over dim 0 like any parameter (whole on every TP rank), and with ``ep > 1``
+    DTensors ``Shard(0)`` over the ``ep`` ranks of an EP group that FSDP ignores: each rank holds ``E/ep``
+    whole experts, replicated over the ``dp/ep`` expert-DP ranks, with grads and AdamW states of the same
+    local size and no gathered compute copy (``param_buffers`` leaves them out). Dense layers of an MoE model
+    (DeepSeek's first three) keep the dense layout. A sparse layer's ``activations`` replace the dense MLP's
+    share by what the MoE MLP saves, dispatch buffers included (``_moe_layer_activation_bytes``), per layer
+    and micro-batch in flight. Measured against the runtime (``python -m rlkit.parallel --ep 2``, tiny
+    Qwen3-MoE, fp32 eager; ``tests/test_plan_moe.py``): weights, grads and optimizer exact on every rank for
+    ep=2, dp=4 x ep=2 and dp=2 x ep=2 x pp=2; activations assume a balanced router (every rank receives
+    ``k`` rows per token), so a rank whose experts draw more tokens holds more and one that draws fewer less:
+    within 12% per rank (-11% to +10%) on the tiny model's random router.
+
     **Torch comparison hook**: with ``precision="fp32", optimizer="adamw"`` the columns
     ``weights``, ``grads``, ``optimizer`` equal the bytes of the unique storages a real FSDP2 +
     DTensor TP + PP model with ``torch.optim.AdamW`` holds per rank after ``step()`` (grads not
@@ -477,6 +535,18 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
         layers_per_rank[st % pp] += len(rng)
     per_layer_act = _layer_activation_bytes(spec, s, b, tp, prec["compute"], sequence_parallel, flash_attention,
                                             recompute)
+    # mixture of experts: each pipeline rank's dense and sparse layers; the tensors FSDP manages in each kind
+    # (under expert parallelism the routed experts leave FSDP: E/ep whole experts per rank, replicated over
+    # the expert-DP ranks), and what a sparse layer saves for backward
+    ep = plan.ep
+    kinds = stage_layer_kinds(spec, plan)
+    kind_t = {k: tuple(x for x in (layer_t if k == bool(spec.sparse_layers) else layer_tensors(spec, k))
+                       if not (ep > 1 and is_expert(x)))
+              for k in {k for kk in kinds for k in kk} | {bool(spec.sparse_layers)}}
+    expert_t = tuple(x for x in layer_tensors(spec, True) if is_expert(x)) if spec.is_moe and ep > 1 else ()
+    layer_act = {False: per_layer_act,
+                 True: _moe_layer_activation_bytes(spec, s, b, tp, prec["compute"], sequence_parallel, flash_attention,
+                                                   recompute, ep) if spec.is_moe else per_layer_act}
     ckpt_layer = 2 * s * b * spec.hidden_size * prec["compute"] // 2 // (tp if sequence_parallel else 1)
 
     # LoRA: per pipeline rank, how many of its layers carry each set of adapted linear layers, and how the
@@ -516,15 +586,23 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     def role_bytes(role: str, p: int, t: int, j: int) -> dict[str, int]:
         root_t = root_tensors(spec, pp, tp, p, role, vocab_parallel)
         L = layers_per_rank[p]
-        lay = rank_shard(layer_t, L, tp, t, S, j)
+        lay, one_layer = Shard(), Shard()
+        for k, n in kinds[p].items():
+            sh = rank_shard(kind_t[k], n, tp, t, S, j)
+            lay.padded, lay.actual, lay.local, lay.tensors = (lay.padded + sh.padded, lay.actual + sh.actual,
+                                                              lay.local + sh.local, lay.tensors + sh.tensors)
+            one = rank_shard(kind_t[k], 1, tp, t, S, j)
+            if one.local > one_layer.local:
+                one_layer = one
+        # expert parallelism: this rank's E/ep experts of each sparse layer, whole (no FSDP, no TP split)
+        experts = rank_shard(expert_t, kinds[p].get(True, 0), 1, 0, ep, 0) if expert_t else Shard()
         root = rank_shard(root_t, 1, tp, t, S, j)
-        one_layer = rank_shard(layer_t, 1, tp, t, S, j)
         padded, actual, local = lay.padded + root.padded, lay.actual + root.actual, lay.local + root.local
         out = dict(weights=0, grads=0, optimizer=0, param_buffers=0, activations=0, logits=0, tensors=0)
         cb = prec["compute"]
         if role == "reference":
             # with LoRA the reference is the actor's model with its adapters off: no weights of its own
-            out["weights"] = 0 if lo is not None else padded * cb
+            out["weights"] = 0 if lo is not None else (padded + experts.padded) * cb
             out["param_buffers"] = (root.local + min(2, L) * one_layer.local) * cb if plan.dp_shard != "replicate" else 0
         else:
             # what trains (grads, optimizer state) and what is stored: everything, or with LoRA (the
@@ -537,10 +615,12 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
                 stored_padded, stored_local, stored_one = (padded + trained.padded, local + trained.local,
                                                            one_layer.local + trained_one)
                 lora_act_all, lora_act_one = lora_act[p], lora_act_max[p] or 0
-            out["weights"] = stored_padded * prec["param"]
-            out["grads"] = trained.padded * prec["grad"]
-            out["optimizer"] = n_states * trained.actual * prec["state"]
-            out["tensors"] = trained.tensors
+            out["weights"] = (stored_padded + experts.padded) * prec["param"]
+            # (the experts train unless the actor trains LoRA adapters only)
+            trains_experts = not (lo is not None and role == "actor")
+            out["grads"] = (trained.padded + experts.padded * trains_experts) * prec["grad"]
+            out["optimizer"] = n_states * (trained.actual + experts.actual * trains_experts) * prec["state"]
+            out["tensors"] = trained.tensors + experts.tensors * trains_experts
             grad_buf = trained_one * (cb + prec["grad"])
             # no grad sync until the last micro-batch: grads accumulate unsharded (beyond the
             # sharded grads counted in ``grads``)
@@ -558,9 +638,11 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
                 out["param_buffers"] = (root.local + min(2, L) * stored_one) * cb + grad_buf + accum
             chunks = _in_flight(plan, p)
             if recompute == "full":
-                out["activations"] = chunks * L * ckpt_layer // plan.vpp + ((per_layer_act + lora_act_one) if L else 0)
+                biggest = max((layer_act[k] for k in kinds[p]), default=0)
+                out["activations"] = chunks * L * ckpt_layer // plan.vpp + ((biggest + lora_act_one) if L else 0)
             else:
-                out["activations"] = chunks * (L * per_layer_act + lora_act_all) // plan.vpp
+                stage_act = sum(n * layer_act[k] for k, n in kinds[p].items())
+                out["activations"] = chunks * (stage_act + lora_act_all) // plan.vpp
         if role != "critic" and p == pp - 1:
             split = vocab_parallel and not gathered_logits
             vocab_local = chunk_len(spec.vocab_size, tp, t) if split else spec.vocab_size
@@ -571,7 +653,9 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     def rollout_bytes(p: int, t: int, rt: int) -> dict[str, int]:
         if ro is None:
             return dict(rollout_weights=0, kv_cache=0)
-        wt = rank_shard(layer_t, spec.num_layers, ro.tp, rt, 1, 0).local
+        n_sparse = len(spec.sparse_layers)
+        wt = sum(rank_shard(layer_tensors(spec, k), n, ro.tp, rt, 1, 0).local
+                 for k, n in ((False, spec.num_layers - n_sparse), (True, n_sparse)) if n)
         wt += rank_shard(root_tensors(spec, 1, 1, 0, "actor", True), 1, ro.tp, rt, 1, 0).local
         wb = dtype_bytes(ro.dtype, "rollout dtype")
         weights = engine = wt * wb
@@ -597,7 +681,7 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
 
     # ranks differ only by pp rank, by tp index where a TP split is uneven, by shard index where an
     # FSDP split is uneven, and by rollout-tp index where the rollout split is uneven
-    all_t = layer_t + [x for p in {0, pp - 1} for r in roles
+    all_t = [x for tensors in kind_t.values() for x in tensors] + [x for p in {0, pp - 1} for r in roles
                        for x in root_tensors(spec, pp, tp, p, r, vocab_parallel)]
     all_t += [x for groups in lora_groups for targets in groups for x in lo.tensors(spec, targets)]
     tp_uneven, fs_uneven = uneven_splits(all_t, tp, S)
@@ -634,7 +718,7 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
         # (LoRA on some layers only, layers_to_transform: ranks with as many layers hold different adapters)
         pp_lora = set(range(pp)) if len(set(lora_layers)) > 1 else set()
         for p, n in enumerate(layers_per_rank):
-            first_of.setdefault(n, p)
+            first_of.setdefault((n, tuple(sorted(kinds[p].items()))), p)
         # (with the hybrid engine a rank's rollout weights grow as its training shard shrinks: with an
         # uneven TP split every tp index is a candidate)
         ts = range(tp) if ro is not None and ro.hybrid_engine and tp_uneven else (0,)

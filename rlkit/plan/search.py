@@ -123,7 +123,10 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
             gradients and reduces only the adapters' gradients, so it is a little pessimistic). With
             ``lora_dropout > 0`` plans with tp > 1 are invalid (rlkit refuses them).
 
-    Returns one row per candidate: ``dp, tp, pp, vpp, dp_shard, dp_shard_size, micro_batches,
+    A mixture-of-experts model also tries expert parallelism: ``ep`` over the divisors of ``dp`` that
+    divide ``num_experts`` (with full_shard / shard_grad_op; the ``ep`` column, 1 for dense models).
+
+    Returns one row per candidate: ``dp, tp, pp, vpp, ep, dp_shard, dp_shard_size, micro_batches,
     schedule, recompute, sequence_parallel, valid, memory_gib`` (max over ranks), ``fits,
     tokens_per_s, tokens_per_s_per_gpu, step_s, bubble, achieved_mfu, tp_spans_nodes, why_not``
     (empty when usable) and ``plan`` (the ParallelPlan). Usable plans come first, fastest first;
@@ -212,19 +215,24 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
                     continue
                 settings = _variants(recompute, activation_checkpointing, sequence_parallel, tp)
                 for shard, size in _shardings(dp, tp, per_node, wanted):
-                    for m in options:
+                    # expert parallelism (MoE models): ep over the divisors of dp that divide the experts;
+                    # it splits the DP dimension, so not with HSDP or replicate (ParallelPlan refuses them)
+                    eps = [e for e in _divisors(dp) if spec.num_experts % e == 0] if spec.is_moe else [1]
+                    if shard in ("hybrid_shard", "replicate"):
+                        eps = [1]
+                    for ep, m in ((e, m) for e in eps for m in options):
                         plan = ParallelPlan(dp=dp, tp=tp, pp=pp, vpp=vpp, dp_shard=shard, dp_shard_size=size,
                                             micro_batches=m if pp > 1 or rows_per_mb else None,
-                                            devices_per_node=per_node)
+                                            devices_per_node=per_node, ep=ep)
                         if (dp, tp, pp) not in spans_cache:  # depends on the degrees only
                             spans_cache[(dp, tp, pp)] = bool(plan.placement_warnings(per_node))
-                        row0 = {**base, "dp_shard": shard, "dp_shard_size": size, "micro_batches": m, "plan": plan,
-                                "schedule": plan.pipeline_schedule if pp > 1 else "none",
+                        row0 = {**base, "ep": ep, "dp_shard": shard, "dp_shard_size": size, "micro_batches": m,
+                                "plan": plan, "schedule": plan.pipeline_schedule if pp > 1 else "none",
                                 "tp_spans_nodes": spans_cache[(dp, tp, pp)]}
                         sized = []
                         for rc, sp in settings:
                             # activations in flight stop growing once m >= 2 pp (1F1B / interleaved)
-                            key = (dp, tp, pp, vpp, shard, size, min(m, 2 * pp), rc, sp)
+                            key = (dp, tp, pp, vpp, ep, shard, size, min(m, 2 * pp), rc, sp)
                             if key not in memory_cache:
                                 memory_cache[key] = peak_memory(plan, spec, recompute=rc, sequence_parallel=sp,
                                                                 **mem_kw)["peak"]
@@ -247,7 +255,7 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
                                 row["why_not"] = f"needs {peak / GIB:.1f} GiB per GPU > {mem / GIB:.1f} GiB"
                             rows.append(row)
     df = pd.DataFrame(rows)
-    columns = ["dp", "tp", "pp", "vpp", "dp_shard", "dp_shard_size", "micro_batches", "schedule", "recompute",
+    columns = ["dp", "tp", "pp", "vpp", "ep", "dp_shard", "dp_shard_size", "micro_batches", "schedule", "recompute",
                "sequence_parallel", "valid",
                "memory_gib", "fits", "tokens_per_s", "tokens_per_s_per_gpu", "step_s", "bubble", "achieved_mfu",
                "tp_spans_nodes", "why_not", "plan"]
@@ -259,6 +267,7 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
     df["why_not"] = df["why_not"].fillna("")
     df["dp_shard_size"] = df["dp_shard_size"].astype("Int64")
     df["micro_batches"] = df["micro_batches"].astype("Int64")
+    df["ep"] = df["ep"].fillna(1).astype(int)
     usable = df["valid"] & df["fits"]
     df["_group"] = (~usable).astype(int) + (~df["valid"]).astype(int)
     df["_speed"] = -df["tokens_per_s"].astype(float).fillna(0)
@@ -283,6 +292,8 @@ def plan_label(row: Any) -> str:
     s = f"dp={row['dp']} tp={row['tp']} pp={row['pp']}"
     if row["vpp"] > 1:
         s += f" vpp={row['vpp']}"
+    if row.get("ep", 1) > 1:
+        s += f" ep={row['ep']}"
     return s + f" {row['dp_shard']}"
 
 

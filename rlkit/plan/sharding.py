@@ -61,23 +61,78 @@ def split_dims(d0: int, d1: int, tp_dim: int | None) -> tuple[int, int]:
 
 
 # ---- the parameter tensors of each part, with their TP split ------------------------------------
-def layer_tensors(spec: ModelSpec) -> list[Tensor]:
+def layer_tensors(spec: ModelSpec, sparse: bool | None = None) -> list[Tensor]:
     """The parameter tensors of one decoder layer, biases and norms included.
+
+    ``sparse``: a mixture-of-experts layer (default: the model's, sparse for an MoE model). Its MLP is
+    the router ``mlp.gate`` (E, H), the routed experts as transformers fuses them, ``experts.gate_up_proj``
+    (E, 2I, H) and ``experts.down_proj`` (E, H, I), listed as (E, rest) since FSDP2 and expert
+    parallelism both split dim 0, and DeepSeek's shared experts (a gated MLP ``n_shared x I`` wide).
+    The router and the routed experts stay whole on every TP rank (``rlkit.parallel`` splits only the
+    attention of an MoE layer); shared experts split like a dense MLP. MLA (DeepSeek) lists its low-rank
+    projections: ``q_a_proj`` and ``kv_a_proj_with_mqa`` replicated, ``q_b_proj`` and ``kv_b_proj``
+    column-parallel, ``o_proj`` row-parallel (Megatron's and vLLM's split).
 
     >>> from rlkit.plan.spec import as_spec
     >>> [name for name, *_ in layer_tensors(as_spec("llama-2-7b"))][:4]
     ['q_proj', 'k_proj', 'v_proj', 'o_proj']
+    >>> [x for x in layer_tensors(as_spec("mixtral-8x7b")) if x[0].startswith(("mlp.", "experts."))]
+    [('mlp.gate', 8, 4096, None), ('experts.gate_up_proj', 8, 117440512, None), ('experts.down_proj', 8, 58720256, None)]
     """
     h, q, kv, i = spec.hidden_size, spec.q_dim, spec.kv_dim, spec.intermediate_size
-    out: list[Tensor] = [("q_proj", q, h, 0), ("k_proj", kv, h, 0), ("v_proj", kv, h, 0), ("o_proj", h, q, 1),
-                         ("gate_proj", i, h, 0), ("up_proj", i, h, 0), ("down_proj", h, i, 1),
-                         ("input_layernorm", h, 1, None), ("post_attention_layernorm", h, 1, None)]
-    if spec.qkv_bias:
+    if sparse is None:
+        sparse = bool(spec.sparse_layers)
+    if spec.is_mla:
+        a, rope, nope, v = (spec.num_attention_heads, spec.qk_rope_head_dim, spec.qk_nope_head_dim,
+                            spec.v_head_dim)
+        ql, kl = spec.q_lora_rank, spec.kv_lora_rank
+        attn: list[Tensor] = ([("q_a_proj", ql, h, None), ("q_a_layernorm", ql, 1, None),
+                               ("q_b_proj", a * (nope + rope), ql, 0)] if ql else [("q_proj", a * (nope + rope), h, 0)])
+        attn += [("kv_a_proj_with_mqa", kl + rope, h, None), ("kv_a_layernorm", kl, 1, None),
+                 ("kv_b_proj", a * (nope + v), kl, 0), ("o_proj", h, a * v, 1)]
+    else:
+        attn = [("q_proj", q, h, 0), ("k_proj", kv, h, 0), ("v_proj", kv, h, 0), ("o_proj", h, q, 1)]
+        if spec.qk_norm:
+            attn += [("q_norm", spec.head_dim, 1, None), ("k_norm", spec.head_dim, 1, None)]
+    if sparse and spec.is_moe:
+        e, mi = spec.num_experts, spec.moe_intermediate_size
+        mlp: list[Tensor] = [("mlp.gate", e, h, None), ("experts.gate_up_proj", e, 2 * mi * h, None),
+                             ("experts.down_proj", e, h * mi, None)]
+        if spec.n_shared_experts:
+            si = spec.n_shared_experts * mi
+            mlp += [("shared_experts.gate_proj", si, h, 0), ("shared_experts.up_proj", si, h, 0),
+                    ("shared_experts.down_proj", h, si, 1)]
+    else:
+        mlp = [("gate_proj", i, h, 0), ("up_proj", i, h, 0), ("down_proj", h, i, 1)]
+    out: list[Tensor] = attn + mlp + [("input_layernorm", h, 1, None), ("post_attention_layernorm", h, 1, None)]
+    if spec.qkv_bias and not spec.is_mla:
         out += [("q_proj.bias", q, 1, 0), ("k_proj.bias", kv, 1, 0), ("v_proj.bias", kv, 1, 0)]
     if spec.o_bias:
         out.append(("o_proj.bias", h, 1, None))  # row-parallel bias: replicated, added after the reduce
-    if spec.mlp_bias:
+    if spec.mlp_bias and not (sparse and spec.is_moe):
         out += [("gate_proj.bias", i, 1, 0), ("up_proj.bias", i, 1, 0), ("down_proj.bias", h, 1, None)]
+    return out
+
+
+def is_expert(tensor: Tensor) -> bool:
+    """A routed expert's weights (what expert parallelism shards, and FSDP then leaves alone)."""
+    return tensor[0].startswith("experts.")
+
+
+def stage_layer_kinds(spec: ModelSpec, plan: ParallelPlan) -> list[dict[bool, int]]:
+    """Per pipeline rank, how many of its decoder layers are dense (``False``) and sparse (``True``).
+
+    >>> from rlkit.plan import ParallelPlan
+    >>> from rlkit.plan.spec import as_spec
+    >>> stage_layer_kinds(as_spec("deepseek-v3"), ParallelPlan(pp=4, dp=1))[:2]
+    [{False: 3, True: 12}, {True: 16}]
+    """
+    out: list[dict[bool, int]] = [{} for _ in range(plan.pp)]
+    for st, rng in enumerate(plan.stage_layers(spec.num_layers)):
+        kinds = out[st % plan.pp]
+        for i in rng:
+            k = spec.is_sparse(i)
+            kinds[k] = kinds.get(k, 0) + 1
     return out
 
 
@@ -118,15 +173,13 @@ def owned_tensors(spec: ModelSpec, plan: ParallelPlan) -> list[list[tuple[tuple[
     [[14, 1], [14, 1]]
     """
     pp = plan.pp
-    layers = [0] * pp
-    for st, rng in enumerate(plan.stage_layers(spec.num_layers)):
-        layers[st % pp] += len(rng)
-    layer_t = tuple(layer_tensors(spec))
+    kinds = stage_layer_kinds(spec, plan)
     out = []
     for p in range(pp):
         root = tuple(x for x in root_tensors(spec, pp, plan.tp, p, "actor", True)
                      if not (spec.tie_word_embeddings and x[0] == "lm_head"))
-        out.append([(layer_t, layers[p]), (root, 1)])
+        layers = [(tuple(layer_tensors(spec, sparse)), n) for sparse, n in sorted(kinds[p].items())]
+        out.append([*(layers or [(tuple(layer_tensors(spec)), 0)]), (root, 1)])
     return out
 
 

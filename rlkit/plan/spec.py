@@ -1,8 +1,22 @@
 """ModelSpec: the shapes and exact parameter counts of a decoder-only LM, from its HF config.
 
-Counts come from the architecture (Llama / Qwen2 / Mistral-style: GQA attention, gated MLP,
+Counts come from the architecture (Llama / Qwen2 / Qwen3 / Mistral-style: GQA attention, gated MLP,
 RMSNorm), not from instantiating the model, so a 72B model is sized in microseconds. Tied input
 and output embeddings are counted once (``shared/PLATFORM.md``: meta-device counting does not tie).
+
+Mixture-of-experts models (Qwen3-MoE, Mixtral, DeepSeek-V3) are counted layer by layer: a sparse layer
+holds a router (``E x H``), ``E`` routed experts of ``3 x H x moe_intermediate_size`` each and, for
+DeepSeek, ``n_shared_experts`` always-on experts of the same width, in place of the dense MLP; the dense
+layers (``mlp_only_layers`` / ``decoder_sparse_step`` for Qwen, ``first_k_dense_replace`` /
+``moe_layer_freq`` for DeepSeek) keep the dense MLP. ``active_params`` counts what one token runs
+(top-k experts + shared experts + everything else). DeepSeek's multi-head latent attention (MLA) is
+counted exactly from its ranks (``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``,
+``qk_rope_head_dim``, ``v_head_dim``); its multi-token-prediction module (``num_nextn_predict_layers``)
+is not counted, as the published 671B leaves it out.
+
+>>> q = ModelSpec.from_name("qwen3-30b-a3b")
+>>> f"{q.num_params / 1e9:.2f}B total, {q.active_params / 1e9:.2f}B active"
+'30.53B total, 3.35B active'
 """
 
 from __future__ import annotations
@@ -20,6 +34,27 @@ from rlkit.errors import PlanError
 CONFIG_DIR = Path(__file__).parent / "configs"
 # model types whose q/k/v projections carry a bias although their config has no attention_bias field
 _QKV_BIAS_TYPES = {"qwen2"}
+# model types with a per-head RMSNorm on q and k (q_norm, k_norm)
+_QK_NORM_TYPES = {"qwen3", "qwen3_moe"}
+
+
+def _dense_layers(cfg: dict, layers: int, experts: int) -> tuple[int, ...]:
+    """The layers of an MoE config that keep a dense MLP, by transformers' rules: Qwen-MoE's
+    ``mlp_only_layers`` and ``decoder_sparse_step`` (layer i is sparse when ``(i + 1) % step == 0``),
+    DeepSeek's ``first_k_dense_replace`` and ``moe_layer_freq`` (sparse when ``i >= k and i % freq == 0``);
+    Mixtral's are all sparse. A dense config: none (``ModelSpec.sparse_layers`` is empty).
+
+    >>> _dense_layers({"first_k_dense_replace": 3}, 6, 8), _dense_layers({"decoder_sparse_step": 2}, 4, 8)
+    ((0, 1, 2), (0, 2))
+    """
+    if not experts:
+        return ()
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only = set(cfg.get("mlp_only_layers") or ())
+    first_k = int(cfg.get("first_k_dense_replace") or 0)
+    freq = int(cfg.get("moe_layer_freq") or 1)
+    return tuple(i for i in range(layers)
+                 if i in only or (i + 1) % step or i < first_k or i % freq)
 
 
 def bundled_models() -> list[str]:
@@ -56,6 +91,18 @@ class ModelSpec:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
+    #: always-on experts of each sparse layer (DeepSeek), each ``moe_intermediate_size`` wide
+    n_shared_experts: int = 0
+    #: the decoder layers that keep a dense MLP in an MoE model (all of them in a dense model)
+    dense_layers: tuple[int, ...] = ()
+    #: Qwen3's per-head RMSNorm on q and k (``q_norm``, ``k_norm``: head_dim each)
+    qk_norm: bool = False
+    #: DeepSeek's multi-head latent attention (kv_lora_rank 0: ordinary GQA attention)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -80,25 +127,40 @@ class ModelSpec:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         model_type = cfg.get("model_type", "unknown")
+        layers = int(cfg["num_hidden_layers"])
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
+        mla = int(cfg.get("kv_lora_rank") or 0)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        if mla:  # q and k heads are nope + rope wide (transformers' DeepseekV3Config sets head_dim to the rope part)
+            head_dim = int(cfg.get("qk_nope_head_dim") or 0) + int(cfg.get("qk_rope_head_dim") or 0)
         return cls(
             name=name or cfg.get("_name_or_path") or model_type,
             model_type=model_type,
             vocab_size=int(cfg.get("vocab_size", 32000)),
             hidden_size=hidden,
             intermediate_size=int(cfg.get("intermediate_size") or 4 * hidden),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=bool(cfg.get("attention_bias", False)) or model_type in _QKV_BIAS_TYPES,
             o_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            # Qwen-MoE's name, Mixtral's, DeepSeek's
-            num_experts=int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0),
+            # Qwen-MoE's name, Mixtral's, DeepSeek's; Mixtral's experts are intermediate_size wide
+            num_experts=experts,
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
-            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or (cfg.get("intermediate_size") or 4 * hidden
+                                                                           if experts else 0)),
+            n_shared_experts=int(cfg.get("n_shared_experts") or 0) if experts else 0,
+            dense_layers=_dense_layers(cfg, layers, experts),
+            qk_norm=model_type in _QK_NORM_TYPES,
+            q_lora_rank=int(cfg.get("q_lora_rank") or 0) if mla else 0,
+            kv_lora_rank=mla,
+            qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 0) if mla else 0,
+            qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0) if mla else 0,
+            v_head_dim=int(cfg.get("v_head_dim") or 0) if mla else 0,
         )
 
     @classmethod
@@ -132,24 +194,95 @@ class ModelSpec:
         return self.num_key_value_heads * self.head_dim
 
     @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3)."""
+        return self.kv_lora_rank > 0
+
+    @property
     def attention_params(self) -> int:
+        """One layer's attention: q/k/v/o (biases, Qwen3's q/k norms), or MLA's low-rank projections
+        (``q_a_proj``, ``q_a_layernorm``, ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``,
+        ``kv_b_proj``, ``o_proj``)."""
         h = self.hidden_size
+        if self.is_mla:
+            a, qk = self.num_attention_heads, self.qk_nope_head_dim + self.qk_rope_head_dim
+            q = (h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * a * qk) if self.q_lora_rank else h * a * qk
+            kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+            kv += self.kv_lora_rank * a * (self.qk_nope_head_dim + self.v_head_dim)
+            return q + kv + a * self.v_head_dim * h
         n = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
         if self.qkv_bias:
             n += self.q_dim + 2 * self.kv_dim
         if self.o_bias:
             n += h
+        if self.qk_norm:
+            n += 2 * self.head_dim
         return n
 
     @property
+    def _attention_norm_params(self) -> int:
+        if self.is_mla:
+            return self.q_lora_rank + self.kv_lora_rank
+        return 2 * self.head_dim if self.qk_norm else 0
+
+    @property
     def mlp_params(self) -> int:
+        """One dense gated MLP (a dense layer's; also the dense layers of an MoE model)."""
         h, i = self.hidden_size, self.intermediate_size
         return 3 * h * i + ((2 * i + h) if self.mlp_bias else 0)
 
+    # ---- mixture of experts ------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """Indices of the decoder layers whose MLP is a mixture of experts (none for a dense model)."""
+        if not self.is_moe:
+            return ()
+        dense = set(self.dense_layers)
+        return tuple(i for i in range(self.num_layers) if i not in dense)
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.is_moe and layer not in self.dense_layers
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert: a gated MLP ``moe_intermediate_size`` wide."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def router_params(self) -> int:
+        return self.num_experts * self.hidden_size
+
+    @property
+    def shared_expert_params(self) -> int:
+        """A sparse layer's always-on shared experts (DeepSeek), together."""
+        return self.n_shared_experts * self.expert_params
+
+    @property
+    def moe_params(self) -> int:
+        """A sparse layer's MLP: router + all routed experts + shared experts."""
+        return self.router_params + self.num_experts * self.expert_params + self.shared_expert_params
+
+    @property
+    def moe_active_params(self) -> int:
+        """What one token runs of a sparse layer's MLP: router + top-k experts + shared experts."""
+        return self.router_params + self.num_experts_per_tok * self.expert_params + self.shared_expert_params
+
+    def layer_params_at(self, layer: int, active: bool = False) -> int:
+        """Decoder layer ``layer``: attention + its MLP (dense, or router and experts) + two RMSNorms;
+        ``active``: only the experts one token runs."""
+        mlp = (self.moe_active_params if active else self.moe_params) if self.is_sparse(layer) else self.mlp_params
+        return self.attention_params + mlp + 2 * self.hidden_size
+
     @property
     def layer_params(self) -> int:
-        """One decoder layer: attention + gated MLP + two RMSNorms."""
-        return self.attention_params + self.mlp_params + 2 * self.hidden_size
+        """One decoder layer: attention + gated MLP + two RMSNorms (an MoE model's sparse layer: router and
+        all experts in place of the MLP; ``layer_params_at`` gives each layer's)."""
+        sparse = self.sparse_layers
+        return self.layer_params_at(sparse[0] if sparse else 0)
 
     @property
     def embedding_params(self) -> int:
@@ -163,7 +296,24 @@ class ModelSpec:
     @property
     def num_params(self) -> int:
         """Unique parameters (tied weights once)."""
-        return self.embedding_params + self.num_layers * self.layer_params + self.hidden_size + self.head_params
+        if not self.is_moe:
+            layers = self.num_layers * self.layer_params
+        else:
+            layers = sum(self.layer_params_at(i) for i in range(self.num_layers))
+        return self.embedding_params + layers + self.hidden_size + self.head_params
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token runs through: ``num_params`` less the routed experts it is not sent to
+        (embedding and lm_head included, as Mixtral's 12.9B and Qwen3's A3B/A22B count them; DeepSeek's
+        published 37B leaves the 0.9B input embedding out). A dense model: ``num_params``.
+
+        >>> m = ModelSpec.from_name("mixtral-8x7b")
+        >>> round(m.num_params / 1e9, 1), round(m.active_params / 1e9, 1)
+        (46.7, 12.9)
+        """
+        return self.num_params - len(self.sparse_layers) * (self.num_experts - self.num_experts_per_tok) * \
+            self.expert_params
 
     def stage_params(self, plan: Any = None, split: list[int] | None = None) -> list[int]:
         """Parameters held by each pipeline rank (all its virtual stages) of ``plan``.
@@ -178,14 +328,19 @@ class ModelSpec:
         stages = plan.stage_layers(self.num_layers, split)
         out = [0] * plan.pp
         for s, layers in enumerate(stages):
-            out[s % plan.pp] += len(layers) * self.layer_params
+            out[s % plan.pp] += (sum(self.layer_params_at(i) for i in layers) if self.is_moe
+                                 else len(layers) * self.layer_params)
         out[0] += self.embedding_params
         out[-1] += self.hidden_size + (self.vocab_size * self.hidden_size if (self.tie_word_embeddings and plan.pp > 1)
                                        else self.head_params)
         return out
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2, tp: int = 1) -> int:
-        """KV-cache bytes per token per TP rank: 2 (K and V) x layers x kv_heads x head_dim x dtype / tp."""
+        """KV-cache bytes per token per TP rank: 2 (K and V) x layers x kv_heads x head_dim x dtype / tp.
+        MLA caches its compressed latent instead, ``kv_lora_rank + qk_rope_head_dim`` per layer, whole on
+        every TP rank (vLLM's MLA cache)."""
+        if self.is_mla:
+            return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
         return 2 * self.num_layers * self.kv_dim * dtype_bytes // tp
 
     def flops_per_token(self, seq_len: int = 0) -> int:
@@ -193,9 +348,23 @@ class ModelSpec:
 
         Attention adds 2 x 2 x layers x seq_len x q_dim (QK^T and AV) at average context seq_len
         (Kaplan et al. 2020, 'Scaling Laws', Table 1; Chinchilla appendix F uses the same terms).
+        An MoE model counts its *active* matmul parameters (the router, the top-k experts, the shared
+        experts); MLA's QK^T runs at ``heads x (qk_nope + qk_rope)`` and AV at ``heads x v_head_dim``.
+
+        >>> q = ModelSpec.from_name("qwen3-30b-a3b")
+        >>> q.flops_per_token() < 2 * q.active_params < q.num_params
+        True
         """
-        matmul = self.num_layers * (self.attention_params + self.mlp_params) + self.vocab_size * self.hidden_size
-        return 2 * matmul + 4 * self.num_layers * seq_len * self.q_dim
+        if not self.is_moe and not self.is_mla:
+            matmul = self.num_layers * (self.attention_params + self.mlp_params) + self.vocab_size * self.hidden_size
+            return 2 * matmul + 4 * self.num_layers * seq_len * self.q_dim
+        attn = self.attention_params - self._attention_norm_params
+        matmul = sum(attn + self.layer_params_at(i, active=True) - self.attention_params - 2 * self.hidden_size
+                     for i in range(self.num_layers)) + self.vocab_size * self.hidden_size
+        a = self.num_attention_heads
+        score_dims = (a * (self.qk_nope_head_dim + self.qk_rope_head_dim) + a * self.v_head_dim if self.is_mla
+                      else 2 * self.q_dim)
+        return 2 * matmul + 2 * self.num_layers * seq_len * score_dims
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -204,7 +373,12 @@ class ModelSpec:
         """Parameter counts by part, as a DataFrame."""
         import pandas as pd
 
-        rows = [("embedding", self.embedding_params, 1), ("decoder layer", self.layer_params, self.num_layers),
+        n_sparse = len(self.sparse_layers)
+        layers = [("decoder layer", self.layer_params, self.num_layers)] if not self.is_moe else [
+            ("decoder layer (dense MLP)", self.layer_params_at(self.dense_layers[0]) if self.dense_layers else 0,
+             self.num_layers - n_sparse),
+            ("decoder layer (MoE)", self.layer_params_at(self.sparse_layers[0]) if n_sparse else 0, n_sparse)]
+        rows = [("embedding", self.embedding_params, 1), *layers,
                 ("final norm", self.hidden_size, 1), ("lm_head", self.head_params, 1)]
         df = pd.DataFrame(rows, columns=["part", "params_each", "count"])
         df["params"] = df.params_each * df["count"]

@@ -19,6 +19,12 @@ A roofline-style model with kernel efficiencies calibrated on published measured
     backward compute (FSDP2, Megatron's overlapped grad reduce): exposed only beyond the compute
     time, and at least one layer's share (the last reduce cannot hide).
   - PP sends: exposed (with sequence parallelism each TP rank sends a 1/tp slice).
+  - EP all-to-alls (mixture-of-experts models with ``ep > 1``: dispatch and combine, forward and
+    backward): the experts wait for them, so exposed; the experts' gradient all-reduce over the
+    expert-DP ranks is DP communication (overlapped like the rest).
+* **mixture of experts**: FLOPs from the *active* parameters (router, top-k and shared experts;
+  ``ModelSpec.flops_per_token``); the expert GEMMs are taken at the dense GEMMs' efficiency (their
+  token count per expert, ``tokens x k / E``, is smaller: an optimistic bound).
 
 **Calibration** (``CALIBRATION``; the test ``tests/test_plan_search.py`` holds the table): each published
 run is marked ``role="fit"`` or ``role="validation"``, and the fitted constants come from the fit rows
@@ -124,14 +130,14 @@ def network_info(network: str) -> dict[str, float]:
 def _comm_times(plan: Any, spec: Any, *, seq_len: int, micro_batch: int, global_batch: int, precision: str,
                 devices_per_node: int, intra_node_bw: float, inter_node_bw: float, recompute: str,
                 sequence_parallel: bool) -> dict[str, float]:
-    """Seconds per step of TP, DP and PP communication at the links' peak, summed per dimension."""
+    """Seconds per step of TP, DP, PP and EP communication at the links' peak, summed per dimension."""
     from rlkit.plan.comm import estimate_communication
 
     rows = estimate_communication(plan, spec, seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
                                   precision=precision, devices_per_node=devices_per_node,
                                   intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw, recompute=recompute,
                                   sequence_parallel=sequence_parallel, _rows_only=True)
-    out = {"tp": 0.0, "dp": 0.0, "pp": 0.0}
+    out = {"tp": 0.0, "dp": 0.0, "pp": 0.0, "ep": 0.0}
     for r in rows:
         out[r["dim"]] += r["time_s"]
     return out
@@ -189,7 +195,7 @@ def estimate_throughput(plan: Any, model: Any, *, seq_len: int = 4096, global_ba
             ``dp x n_micro_batches x rows``. Returns also ``micro_batches`` (m) and ``micro_batch``.
 
     Returns a dict: flops_per_token (executed, recompute included), compute_s, gemm_efficiency,
-    bubble, bubble_s, tp_comm_s, dp_comm_s, dp_exposed_s, pp_comm_s, step_s, tokens_per_step,
+    bubble, bubble_s, tp_comm_s, dp_comm_s, dp_exposed_s, pp_comm_s, ep_comm_s, step_s, tokens_per_step,
     pipeline_flushes, tokens_per_s, tokens_per_s_per_gpu, achieved_mfu (model FLOPs, 3 x forward
     without recompute, over step time x peak x GPUs, as Megatron and torchtitan report it).
 
@@ -261,8 +267,13 @@ def estimate_throughput(plan: Any, model: Any, *, seq_len: int = 4096, global_ba
     elementwise = 0.0
     if mfu is None:  # a flat mfu already stands for every kernel
         c_h, c_qkv, c_i = KERNEL_TRAFFIC[kernels]
+        width = spec.intermediate_size
+        if spec.is_moe:  # the MLP width a token runs through, averaged over the layers (experts: whole per TP rank)
+            n_sparse = len(spec.sparse_layers)
+            moe_width = (spec.num_experts_per_tok + spec.n_shared_experts) * spec.moe_intermediate_size * plan.tp
+            width = ((spec.num_layers - n_sparse) * width + n_sparse * moe_width) / spec.num_layers
         per_layer = (c_h * spec.hidden_size / (plan.tp if sequence_parallel else 1)
-                     + (c_qkv * (spec.q_dim + spec.kv_dim) + c_i * spec.intermediate_size) / plan.tp)
+                     + (c_qkv * (spec.q_dim + spec.kv_dim) + c_i * width) / plan.tp)
         # every rank of a TP group streams its share for all the tokens its DP replica runs
         elementwise = tokens / plan.dp * spec.num_layers / plan.pp * per_layer / info["hbm_bw"]
         compute += elementwise
@@ -276,7 +287,7 @@ def estimate_throughput(plan: Any, model: Any, *, seq_len: int = 4096, global_ba
     # DP collectives run per layer under forward and backward compute; the last one cannot hide
     layers_here = max(1, -(-spec.num_layers // plan.pp))
     dp_exposed = max(comm["dp"] - compute, comm["dp"] / layers_here) if comm["dp"] else 0.0
-    step = busy + comm["tp"] + dp_exposed + comm["pp"]
+    step = busy + comm["tp"] + dp_exposed + comm["pp"] + comm["ep"]
     return {
         "flops_per_token": matmul_runs * matmul + attention_runs * attention,
         "compute_s": compute,
@@ -288,6 +299,7 @@ def estimate_throughput(plan: Any, model: Any, *, seq_len: int = 4096, global_ba
         "dp_comm_s": comm["dp"],
         "dp_exposed_s": dp_exposed,
         "pp_comm_s": comm["pp"],
+        "ep_comm_s": comm["ep"],
         "step_s": step,
         "tokens_per_step": tokens,
         "pipeline_flushes": flushes,

@@ -217,6 +217,21 @@ class ParallelPlan:
         return [list(range(base, base + n * stride, stride))
                 for base in range(self.world_size) if (base // stride) % n == 0]
 
+    def expert_groups(self) -> list[list[int]]:
+        """The expert-parallel groups: each holds ``ep`` consecutive DP ranks (same tp and pp coordinates) that
+        share one copy of the experts, an all-to-all apart (one group per rank when ``ep == 1``).
+
+        >>> ParallelPlan(dp=4, ep=2).expert_groups()
+        [[0, 1], [2, 3]]
+        >>> ParallelPlan(dp=4, tp=2, ep=2).expert_groups()
+        [[0, 2], [1, 3], [4, 6], [5, 7]]
+        """
+        out = []
+        for group in self.groups("dp"):
+            group = sorted(group, key=lambda r: self.coords(r)["dp"])
+            out += [group[i:i + self.ep] for i in range(0, len(group), self.ep)]
+        return sorted(out)
+
     def group_of(self, rank: int, dim: str) -> list[int]:
         """The ranks in ``rank``'s group along ``dim``."""
         c = self.coords(rank)

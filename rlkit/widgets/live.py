@@ -67,7 +67,11 @@ LINE_PANELS = (("KL", "kl"), ("entropy", "entropy"), ("response length", "respon
                ("filtered groups (share)", "dynamic/filtered_share"),
                # streaming (rlkit.stream): the samples whose tokens span versions, and the buffer's fill
                ("samples across an update (share)", "stream/crossed_share"),
-               ("stream buffer (groups)", "stream/buffer_groups"))
+               ("stream buffer (groups)", "stream/buffer_groups"),
+               # mixture of experts (rlkit.parallel.moe): the busiest expert over the mean, worst layer; and the
+               # share of tokens whose router chose other experts than the engine (routing replay's subject)
+               ("expert load max/mean (worst layer)", "router/load_max"),
+               ("route flips (share of tokens)", "router/flip_rate"))
 STALENESS = "samples by versions behind (share)"  # streaming: a stacked histogram per step
 LAG_KEY = re.compile(r"^stream/staleness/(\d+)$")
 RANK_KEY = re.compile(r"^memory/rss_gb/rank(\d+)$")

@@ -41,11 +41,15 @@ DIM_HELP = {
           "activations to the next stage; micro-batches keep the stages busy.",
     "dp": "Data parallel: the ranks of a group hold the same layers and see different data; they "
           "average gradients once per step (and shard weights/optimizer state with FSDP).",
+    "ep": "Expert parallel (mixture of experts): the ranks of a group are DP ranks that share one copy of the "
+          "experts, a slice of them each, and send every token to its experts' ranks and back by all-to-all "
+          "twice per MoE layer; the other DP ranks hold further copies and average the experts' gradients.",
     "gen": "Generation (3D-HybridEngine): the same ranks generate with tensor parallel t_g and no pipeline; "
            "each group is one engine on a share of its DP replica's prompts, and before generating the "
            "ranks holding the same generation shard (a micro-DP group) gather it from their training shards.",
 }
 GEN = "gen"  # the generation-layout pseudo dimension (needs rollout_tp)
+EP = "ep"  # expert-parallel groups (plans with ep > 1), cut out of DP
 # Wider than a node in the grid view is hard to read: wrap a node over several rows past this.
 MAX_COLUMNS = 16
 
@@ -83,6 +87,13 @@ class _RankFacts:
                 for r in g:
                     index[r] = i
             self.groups[dim], self.group_index[dim] = groups, index
+        if plan.ep > 1:
+            self.groups[EP] = plan.expert_groups()
+            index = [0] * self.n
+            for i, g in enumerate(self.groups[EP]):
+                for r in g:
+                    index[r] = i
+            self.group_index[EP] = index
         self.layout = None
         if rollout_tp is not None:
             from rlkit.plan.hybrid import GenerationLayout
@@ -128,14 +139,16 @@ class _RankFacts:
 
     @property
     def dims(self) -> tuple[str, ...]:
-        return DIMS + ((GEN,) if self.layout is not None else ())
+        return DIMS + ((EP,) if EP in self.groups else ()) + ((GEN,) if self.layout is not None else ())
 
     def size(self, dim: str) -> int:
-        return self.layout.tp if dim == GEN else self.plan.size(dim)
+        return self.layout.tp if dim == GEN else self.plan.ep if dim == EP else self.plan.size(dim)
 
     def summary(self) -> list[str]:
         """'64 TP groups of 8' for each dim (and the generation groups with a rollout tp)."""
         out = [f"{len(self.groups[d])} {d.upper()} groups of {self.plan.size(d)}" for d in ("tp", "pp", "dp")]
+        if EP in self.groups:
+            out.append(f"{len(self.groups[EP])} EP groups of {self.plan.ep} ({self.plan.expert_dp} copies of the experts)")
         if self.layout is not None:
             out.append(f"{len(self.groups[GEN])} generation groups of {self.layout.tp} (rollout tp={self.layout.tp})")
         return out
@@ -155,7 +168,7 @@ class _RankFacts:
         lines = [f"rank {rank} · node {node}, device {local}", f"dp={c['dp']} tp={c['tp']} pp={c['pp']}"]
         if self.stage_layers is not None:
             lines.append(f"layers {self.stage_layers[c['pp']]} (stage {c['pp']})")
-        for d in ("tp", "pp", "dp"):
+        for d in ("tp", "pp", "dp") + ((EP,) if EP in self.groups else ()):
             lines.append(f"{d.upper()} group: {short_list(self._members(rank, d))}")
         lines += [f"{k}: {v}" for k, v in self._gen_lines(rank)]
         return "\n".join(lines)
@@ -168,7 +181,7 @@ class _RankFacts:
         if self.stage_layers is not None:
             rows.append((f"layers of {html.escape(self.model_name or 'model')}",
                          f"{self.stage_layers[c['pp']]} (pipeline stage {c['pp']})"))
-        for d in ("tp", "pp", "dp"):
+        for d in ("tp", "pp", "dp") + ((EP,) if EP in self.groups else ()):
             rows.append((f"{d.upper()} group #{self.group_index[d][rank]}", short_list(self._members(rank, d))))
         rows += self._gen_lines(rank)
         body = "".join(f"<tr><td style='padding:1px 8px 1px 0;color:#555'>{k}</td><td>{v}</td></tr>"
@@ -190,7 +203,10 @@ def _check_view_dim(dim: str, facts: _RankFacts | None = None) -> None:
     if dim == GEN and (facts is None or facts.layout is None):
         raise PlanError("dim='gen' colours ranks by generation group and needs the rollout tensor parallel "
                         "size: pass rollout_tp=t_g, e.g. PlanView(plan, rollout_tp=2, dim='gen')")
-    if dim not in DIMS + (GEN,):
+    if dim == EP and (facts is None or EP not in facts.groups):
+        raise PlanError("dim='ep' colours ranks by expert-parallel group, which a plan has with ep > 1 (a mixture of "
+                        "experts): e.g. ParallelPlan(dp=4, ep=2)")
+    if dim not in DIMS + (EP, GEN):
         ok = list(facts.dims) if facts is not None else list(DIMS)
         raise PlanError(f"dim={dim!r} is not a parallel dimension; choose one of {ok}")
 
@@ -212,6 +228,8 @@ def plan_html(plan: ParallelPlan, dim: str = "tp", model: Any = None, devices_pe
     >>> html_text.count("<td title=")
     8
     >>> "gen_tp (generation shard): 1 of 2" in plan_html(ParallelPlan(tp=2, pp=2), dim="gen", rollout_tp=2)
+    True
+    >>> "2 EP groups of 2 (2 copies of the experts)" in plan_html(ParallelPlan(dp=4, ep=2), dim="ep")
     True
     """
     facts = _RankFacts(plan, model, devices_per_node, cluster, rollout_tp)
@@ -272,6 +290,8 @@ class PlanView(W.VBox):
         cell_layout = W.Layout(width="46px", height="26px", margin="1px", padding="0")
         self._styles: dict[str, list[W.ButtonStyle]] = {}
         options = [("DP groups", "dp"), ("TP groups", "tp"), ("PP groups", "pp")]
+        if EP in facts.groups:
+            options.append(("EP groups", EP))
         if facts.layout is not None:
             options.append(("Gen groups", GEN))
         self.dim_buttons = W.ToggleButtons(options=options, value=dim, tooltips=[DIM_HELP[d] for _, d in options],

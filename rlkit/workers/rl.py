@@ -171,6 +171,13 @@ class RLWorker:
             return None
         return generate_batch(self.engine, self.layout, prompts, seed, agent=self.agent, **overrides)
 
+    def set_routing_replay(self, replay: bool) -> None:
+        """Mixture of experts: the actor routes by the batch's recorded routing (``True``) or by its own router,
+        only counting the flips (``False``); what ``TrainerConfig(routing_replay=...)`` set at the start."""
+        if not getattr(self.actor, "moes", None):
+            raise ValueError("set_routing_replay applies to a mixture-of-experts actor on the torch backend")
+        self.actor.set_routing_replay(replay)
+
     # ---- forward passes ------------------------------------------------------------------------
     def actor_logprobs(self, batch: Batch) -> Scored:
         """The actor's ``logprobs`` and ``entropy`` of the response tokens (pi_old, before an update)."""
@@ -210,10 +217,13 @@ class RLWorker:
             stats.append({**m, WEIGHT: loss_weight(mb, settings.loss_agg)})
             return loss
 
-        if getattr(self.actor, "moes", None):  # count the routers of the update's forwards only
-            self.actor.reset_router_stats()
-        out = _epochs(self.actor, Batch.of(batch), settings, loss_fn, stats, "actor", settings.loss_agg)
-        if getattr(self.actor, "moes", None):
+        moe = bool(getattr(self.actor, "moes", None))
+        if moe:  # the routers of the update's forwards; route flips in its first step only, whose weights are
+            self.actor.reset_router_stats()  # the engine's when on-policy (later steps drift from them)
+        out = _epochs(self.actor, Batch.of(batch), settings, loss_fn, stats, "actor", settings.loss_agg,
+                      after_first=(lambda: self.actor.set_flip_counting(False)) if moe else None)
+        if moe:
+            self.actor.set_flip_counting(True)
             out |= router_metrics(self.actor.router_stats())
         return out
 
@@ -490,11 +500,16 @@ def loss_weight(mb: dict[str, Any], agg: str) -> float:
 
 
 def _epochs(model: ParallelModel, batch: Batch, settings: UpdateSettings, loss_fn: Any,
-            stats: list[dict[str, float]], role: str, agg: str) -> dict[str, float]:
+            stats: list[dict[str, float]], role: str, agg: str, after_first: Any = None) -> dict[str, float]:
     """``settings.epochs`` passes over the batch, ``settings.minibatches`` optimizer steps each; each step's
-    objective is the loss over its whole minibatch (every DP rank's part), however it is micro-batched."""
-    results = [model.train_step(mb, loss_fn, lambda part: loss_weight(part, agg)) for _epoch in range(settings.epochs)
-               for mb in _minibatches(batch, settings.minibatches)]
+    objective is the loss over its whole minibatch (every DP rank's part), however it is micro-batched.
+    ``after_first``: called once the first optimizer step is done."""
+    results = []
+    for _epoch in range(settings.epochs):
+        for mb in _minibatches(batch, settings.minibatches):
+            results.append(model.train_step(mb, loss_fn, lambda part: loss_weight(part, agg)))
+            if after_first is not None and len(results) == 1:
+                after_first()
     return _summarize(results, stats, role)
 
 
