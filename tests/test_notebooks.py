@@ -23,8 +23,9 @@ def test_the_notebooks_are_all_here():
     names = [Path(n).stem for n in NOTEBOOKS]
     assert {"01_parallel_plan", "02_grpo", "03_real_model"} <= set(names)
     tutorials = [Path(n).stem for n in NOTEBOOKS if n.startswith("tutorials/")]
-    # 01 .. 10: 08 is agentic RL (multi-turn episodes with a tool), 09 asynchronous RL, 10 the training backends
-    assert [t[:2] for t in tutorials] == [f"{i:02d}" for i in range(1, 11)], tutorials
+    # 01 .. 11: 08 is agentic RL (multi-turn episodes with a tool), 09 asynchronous RL, 10 the training backends,
+    # 11 expert parallelism and routing replay
+    assert [t[:2] for t in tutorials] == [f"{i:02d}" for i in range(1, 12)], tutorials
 
 
 # tests/test_browser.py runs these with run-all in JupyterLab and fails on any cell error: where it can

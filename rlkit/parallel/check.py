@@ -195,7 +195,8 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     loss = pm.forward_backward(mine, loss_fn, weight_fn)
     if moe:
         stats = pm.router_stats()
-        report.update(aux_loss=stats["aux_loss"], z_loss=stats["z_loss"], expert_load=stats["load"].tolist())
+        report.update(aux_loss=stats["aux_loss"], z_loss=stats["z_loss"], expert_load=stats["load"].tolist(),
+                      a2a_bytes_per_rank=stats["a2a_bytes_per_rank"])  # forward (dispatch + combine), one step
     ref_loss = ref_step(batches[0], do_step=False)
     if moe:
         report.update(ref_aux_loss=sum(router["aux_loss"]) / len(router["aux_loss"]),
