@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     """Parse the arguments, run the check on this rank, rank 0 writes the JSON report."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
-    for dim in ("tp", "pp", "dp"):
+    for dim in ("tp", "pp", "dp", "ep"):
         ap.add_argument(f"--{dim}", type=int, default=1)
     ap.add_argument("--micro-batches", type=int, default=None)
     ap.add_argument("--head", default="lm", choices=("lm", "value"))
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        plan = ParallelPlan(tp=args.tp, pp=args.pp, dp=args.dp, dp_shard="replicate",
+        plan = ParallelPlan(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, dp_shard="replicate",
                             micro_batches=args.micro_batches)
         rep = run_check(args.model, plan, head=args.head, steps=args.steps, ckpt_dir=args.ckpt)
         if dist.get_rank() == 0:
