@@ -80,6 +80,10 @@ def run_check(model: str, plan: ParallelPlan, *, head: str = "lm", steps: int = 
 
     rep: dict[str, Any] = {"plan": plan.describe(), "head": head, "shim": shim.installed(),
                            "interface_missing": missing_members(mm)}
+    # a mixture-of-experts model: the experts of the first layer this rank holds (E / ep under expert parallelism)
+    held = [n for n in mm.named if n.startswith("decoder.layers.0.mlp.experts.local_experts.")
+            and n.endswith(".linear_fc1.weight")]
+    rep["experts_per_rank"] = int(max_over_ranks(float(len(held))))
     mine = mm.shard_batch(batches[0])
     with torch.no_grad():
         ref_out = reference_forward(ref, ref_vh, mine)
