@@ -10,7 +10,7 @@ save -> load -> continue bit-exact.
 
 Measured here (megatron-core 0.16.1, torch 2.13 CPU, transformers 5.25): ep=2: log-probs 4.8e-7, entropy
 2.4e-6, grads 1.1e-7, weights 3.5e-6, loss 4.5e-8, grad norm 1.5e-7 relative, resume 0.0; ep=1 (one rank):
-4.8e-7, 2.4e-6, 1.9e-7, 3.7e-6. norm_topk_prob=False (Megatron's pre-softmax routing), one rank: 4.8e-7,
+4.8e-7, 2.4e-6, 1.9e-7, 3.7e-6; pp=2: 4.8e-7, 2.4e-6, 1.1e-7, 4.4e-7. norm_topk_prob=False (Megatron's pre-softmax routing), one rank: 4.8e-7,
 2.9e-6, 2.1e-7, 8.7e-7; with the routing flag flipped the same check measured log-probs 1.4e-2, grads 5.4e-2
 (the check sees a routing mismatch).
 """
@@ -46,6 +46,12 @@ def test_ep2_matches_hf_and_resumes_bit_exact(tmp_path, moe_path):
 @pytest.mark.slow  # 30 s on 2 cores; ep=2 above covers the same conversion and more
 def test_one_rank_matches_hf(tmp_path, moe_path):
     rep = run_layout(tmp_path, moe_path, 1)
+    assert rep["experts_per_rank"] == 8, rep
+
+
+@pytest.mark.slow  # 60 s: the MoE layers split over two pipeline stages (experts whole on each)
+def test_pp2_matches_hf(tmp_path, moe_path):
+    rep = run_layout(tmp_path, moe_path, 2, "--pp", "2")
     assert rep["experts_per_rank"] == 8, rep
 
 
