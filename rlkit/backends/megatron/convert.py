@@ -156,19 +156,6 @@ def to_megatron(name: str, layer: int | None, get: Getter, cfg, tp: int, tp_rank
     raise KeyError(f"no HF counterpart for Megatron parameter {name!r}")
 
 
-def stacked_experts(name: str, get: Getter, n: int) -> torch.Tensor:
-    """HF's stacked expert tensor ``model.layers.g.mlp.experts.gate_up_proj`` (E, 2I, H) or ``...down_proj``
-    (E, H, I) from a checkpoint in the per-expert layout transformers writes (``mlp.experts.e.gate_proj.weight``,
-    ``up_proj``, ``down_proj``, each (out, in)), ``n`` experts."""
-    p, kind = name.rsplit(".", 1)
-    if kind == "gate_up_proj":
-        return torch.stack([torch.cat([get(f"{p}.{e}.gate_proj.weight"), get(f"{p}.{e}.up_proj.weight")])
-                            for e in range(n)])
-    if kind == "down_proj":
-        return torch.stack([get(f"{p}.{e}.down_proj.weight") for e in range(n)])
-    raise KeyError(f"{name!r} is not a stacked expert tensor")
-
-
 def _num_experts(cfg) -> int:
     from rlkit.backends.families import num_experts
 
@@ -233,4 +220,4 @@ def to_hf(name: str, layer: int | None, shards: list[torch.Tensor], cfg) -> list
     raise KeyError(f"no HF counterpart for Megatron parameter {name!r}")
 
 
-__all__ = ["EXPERTS", "LAYER_MOE", "expert_index", "fuse_qkv", "hf_names", "padded_vocab", "split_qkv", "stacked_experts", "to_hf", "to_megatron"]
+__all__ = ["EXPERTS", "LAYER_MOE", "expert_index", "fuse_qkv", "hf_names", "padded_vocab", "split_qkv", "to_hf", "to_megatron"]

@@ -217,18 +217,18 @@ class MegatronModel:
                             (gpt.value_head.named_parameters() if hasattr(gpt, "value_head") else [])}
         whole = {} if reader is not None else dict(hf.state_dict())
 
-        stacked: dict[str, torch.Tensor] = {}  # the last stacked expert tensor read (one layer's experts)
+        stacked: dict[str, torch.Tensor] = {}  # the last two stacked expert tensors read (gate_up, down)
 
         def read(name: str) -> torch.Tensor:
             if name in self._value_init:
                 return self._value_init[name]
             if reader is None:
                 return whole[name]
-            if self.moe and name not in reader and name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
-                # transformers writes the experts one by one (mlp.experts.<e>.gate_proj.weight, ...)
-                if name not in stacked:
-                    stacked.clear()
-                    stacked[name] = convert.stacked_experts(name, reader.get, num_experts(cfg))
+            if ".mlp.experts." in name:  # one layer's stacked experts (the reader stacks transformers' one-by-one
+                if name not in stacked:  # layout): read once for all of this rank's experts, not once per expert
+                    if len(stacked) == 2:
+                        stacked.pop(next(iter(stacked)))
+                    stacked[name] = reader.get(name)
                 return stacked[name]
             return reader.get(name)
 
