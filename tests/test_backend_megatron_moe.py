@@ -94,3 +94,26 @@ def test_moe_under_tp_is_refused(moe_path):
 
     with pytest.raises(PlanError, match="mixture-of-experts model at tp=1"):  # before any process group or Megatron state is touched
         MegatronModel(moe_path, ParallelPlan(tp=2))
+
+
+@pytest.mark.ray
+@pytest.mark.slow  # ~40 s (Ray workers): the Trainer's path, beside the equivalence check above
+def test_trainer_runs_ep2_on_megatron_and_saves_a_loadable_folder(tmp_path, moe_path):
+    """GRPO through the Trainer on Ray workers at dp=2 x ep=2: the HF engine is synced from the gathered experts
+    every step, and ``save_pretrained`` writes a folder transformers loads, every weight moved."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import rlkit
+
+    start = AutoModelForCausalLM.from_pretrained(moe_path, dtype=torch.float32)
+    with rlkit.Trainer(model=moe_path, dataset=rlkit.tasks.repeat, algorithm="grpo", backend="megatron",
+                       plan=ParallelPlan(dp=2, ep=2, dp_shard="replicate"), padding_free=False,
+                       rollout=rlkit.Rollout(engine="hf", n=4, max_new_tokens=6), prompts_per_step=2, lr=1e-2,
+                       seed=0, run_dir=str(tmp_path / "run")) as tr:
+        df = tr.fit(steps=2, view="none")
+        saved = tr.save_pretrained(tmp_path / "hf")
+    assert (df["actor/grad_norm"] > 0).all(), df
+    after = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
+    moved = {n for n, p in after.named_parameters() if not torch.equal(p, start.get_parameter(n))}
+    assert moved == {n for n, _ in start.named_parameters()}, set(dict(start.named_parameters())) - moved
