@@ -301,7 +301,7 @@ def check_moe(config: TrainerConfig, model_path: str, rollout: Rollout) -> None:
         raise TrainerError("Rollout(record_routing=True) with streaming=True is not supported yet (a partial "
                            "rollout's routing spans several generation calls); use streaming=False, or "
                            "record_routing=False")
-    if rollout.record_routing and not config.backend.caps.expert_parallel:
+    if rollout.record_routing and not config.backend.caps.router_losses:
         raise TrainerError(f"Rollout(record_routing=True): the recorded routing is compared and replayed by the torch "
                            f"backend's MoE layer; backend={config.backend.name!r} has none: use backend='torch', or "
                            f"record_routing=False")
@@ -313,9 +313,9 @@ def check_moe(config: TrainerConfig, model_path: str, rollout: Rollout) -> None:
     if not moe:
         raise TrainerError(f"{what} weighs a mixture-of-experts router's loss, but {model_path} is a dense model "
                            f"(no experts in its config); leave {' and '.join(asked)} at 0")
-    if not config.backend.caps.expert_parallel:
-        raise TrainerError(f"{what} is computed by the torch backend's MoE layer; backend="
-                           f"{config.backend.name!r} trains transformers' own, without it: use backend='torch', or "
+    if not config.backend.caps.router_losses:
+        raise TrainerError(f"{what} is computed by the torch backend's MoE layer (rlkit.parallel.moe); backend="
+                           f"{config.backend.name!r} trains without the router's losses: use backend='torch', or "
                            f"leave {' and '.join(asked)} at 0")
 
 

@@ -449,12 +449,12 @@ def _moe_cases():
         (dict(plan=P(dp=2, ep=2)), None, "ep=2 needs a mixture-of-experts model, but"),
         (dict(plan=P(dp=6, ep=3), prompts_per_step=6), moe, "ep=3 does not divide num_experts=8; each EP rank holds whole experts: "
          "choose ep in {1, 2}"),
-        (dict(plan=P(dp=2, ep=2), backend="deepspeed"), moe, "backend='deepspeed' cannot run ep=2: expert "
-         "parallelism is the torch backend's"),
+        (dict(plan=P(dp=2, ep=2), backend="deepspeed"), moe, "backend='deepspeed' cannot run ep=2: it has no "
+         "expert parallelism"),
         (dict(router_aux_coef=0.01), None, "router_aux_coef=0.01 weighs a mixture-of-experts router's loss, but"),
         (dict(router_z_coef=0.001, backend="deepspeed"), moe, "router_z_coef=0.001 is computed by the torch backend's "
-         "MoE layer; backend='deepspeed' trains transformers' own"),
-        (dict(backend="megatron"), moe, "backend='megatron' does not build model_type='qwen3_moe'"),
+         "MoE layer (rlkit.parallel.moe); backend='deepspeed' trains without the router's losses"),
+        (dict(backend="megatron", router_aux_coef=0.001), moe, "backend='megatron' trains without the router's losses"),
         (dict(plan=P(dp=2, ep=2, dp_shard="replicate")), moe, "ep=2 with dp_shard='replicate' is not supported on "
          "the torch backend"),
         (dict(routing_replay=True), moe, "routing_replay=True replays the experts the engine chose, so the engine "

@@ -56,14 +56,17 @@ class Capabilities:
     model_families: bool      # maps only the model families it knows (rlkit.backends.families), checked on the config
     precisions: tuple[str, ...] = ("fp32", "bf16-mixed")
     zero_stages_with_pp: tuple[int, ...] = ()   # DeepSpeed's ZeRO stages that its pipeline engine runs
-    expert_parallel: bool = False  # ParallelPlan(ep > 1) and the router's losses (rlkit.parallel.moe)
+    expert_parallel: bool = False  # ParallelPlan(ep > 1): a mixture-of-experts model's experts split over DP ranks
+    router_losses: bool = False    # rlkit's MoE layer (rlkit.parallel.moe): the router's losses, routing replay, stats
 
 
 CAPABILITIES: dict[str, Capabilities] = {
     "torch": Capabilities(tp=True, vpp=True, sharded_dp=True, any_rank_order=True, lora=True, packing=True,
-                          generation_layout=True, rlkit_groups=True, model_families=False, expert_parallel=True),
+                          generation_layout=True, rlkit_groups=True, model_families=False, expert_parallel=True,
+                          router_losses=True),
     "megatron": Capabilities(tp=True, vpp=False, sharded_dp=False, any_rank_order=False, lora=False, packing=False,
-                             generation_layout=False, rlkit_groups=False, model_families=True, precisions=("fp32",)),
+                             generation_layout=False, rlkit_groups=False, model_families=True, precisions=("fp32",),
+                             expert_parallel=True),
     "deepspeed": Capabilities(tp=False, vpp=False, sharded_dp=True, any_rank_order=False, lora=False, packing=False,
                               generation_layout=False, rlkit_groups=False, model_families=False,
                               zero_stages_with_pp=(0, 1)),
@@ -170,8 +173,9 @@ def check_backend(backend: str | Backend | None, plan: ParallelPlan, config: Any
         raise PlanError(f"backend={name!r} runs vpp=1 here (virtual pipeline stages are not wired yet); use vpp=1 "
                         f"(got vpp={plan.vpp})")
     if plan.ep > 1 and not caps.expert_parallel:
-        raise PlanError(f"backend={name!r} cannot run ep={plan.ep}: expert parallelism is the torch backend's "
-                        f"(rlkit.parallel.moe); use backend='torch', or ep=1")
+        have = [n for n, c in CAPABILITIES.items() if c.expert_parallel]
+        raise PlanError(f"backend={name!r} cannot run ep={plan.ep}: it has no expert parallelism; use ep=1, or "
+                        f"backend={' / '.join(map(repr, have))} for ep > 1")
     if plan.ep > 1 and name == "torch" and plan.dp_shard in ("hybrid_shard", "replicate"):
         raise PlanError(f"ep={plan.ep} with dp_shard={plan.dp_shard!r} is not supported on the torch backend (HSDP "
                         f"and EP both split the DP ranks); use dp_shard='full_shard' or 'shard_grad_op' with ep > 1")
@@ -184,9 +188,10 @@ def check_backend(backend: str | Backend | None, plan: ParallelPlan, config: Any
                         f"only; got zero_stage={backend.zero_stage} with pp={plan.pp}: use Backend('deepspeed', "
                         f"zero_stage=1) or dp_shard='replicate'")
     if caps.model_families and config is not None:
-        from rlkit.backends.families import check_family
+        from rlkit.backends.families import check_experts, check_family
 
         check_family(config)
+        check_experts(config, plan.ep)
     return backend
 
 

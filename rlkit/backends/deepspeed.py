@@ -274,8 +274,9 @@ class DeepSpeedModel:
         choice("head", head, ("lm", "value"), error=PlanError)
         if lora is not None:
             raise PlanError("LoRA runs on backend='torch' only; backend='deepspeed' trains full weights")
-        if plan.tp != 1 or plan.vpp != 1:
-            raise PlanError(f"backend='deepspeed' runs tp=1, vpp=1 (got tp={plan.tp}, vpp={plan.vpp})")
+        if plan.tp != 1 or plan.vpp != 1 or plan.ep != 1:
+            raise PlanError(f"backend='deepspeed' runs tp=1, vpp=1, ep=1 (got tp={plan.tp}, vpp={plan.vpp}, "
+                            f"ep={plan.ep})")
         if zero_stage not in (0, 1, 2, 3) or (plan.pp > 1 and zero_stage > 1):
             raise PlanError(f"zero_stage={zero_stage!r}: DeepSpeed runs ZeRO 0-3, and 0 or 1 with pp > 1")
         deepspeed = import_deepspeed()

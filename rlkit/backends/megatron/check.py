@@ -80,6 +80,10 @@ def run_check(model: str, plan: ParallelPlan, *, head: str = "lm", steps: int = 
 
     rep: dict[str, Any] = {"plan": plan.describe(), "head": head, "shim": shim.installed(),
                            "interface_missing": missing_members(mm)}
+    # a mixture-of-experts model: the experts of the first layer this rank holds (E / ep under expert parallelism)
+    held = [n for n in mm.named if n.startswith("decoder.layers.0.mlp.experts.local_experts.")
+            and n.endswith(".linear_fc1.weight")]
+    rep["experts_per_rank"] = int(max_over_ranks(float(len(held))))
     mine = mm.shard_batch(batches[0])
     with torch.no_grad():
         ref_out = reference_forward(ref, ref_vh, mine)
@@ -168,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     """Parse the arguments, run the check on this rank, rank 0 writes the JSON report."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
-    for dim in ("tp", "pp", "dp"):
+    for dim in ("tp", "pp", "dp", "ep"):
         ap.add_argument(f"--{dim}", type=int, default=1)
     ap.add_argument("--micro-batches", type=int, default=None)
     ap.add_argument("--head", default="lm", choices=("lm", "value"))
@@ -179,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
-        plan = ParallelPlan(tp=args.tp, pp=args.pp, dp=args.dp, dp_shard="replicate",
+        plan = ParallelPlan(tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, dp_shard="replicate",
                             micro_batches=args.micro_batches)
         rep = run_check(args.model, plan, head=args.head, steps=args.steps, ckpt_dir=args.ckpt)
         if dist.get_rank() == 0:

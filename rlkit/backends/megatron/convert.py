@@ -1,4 +1,4 @@
-"""HF <-> Megatron-Core weights for Llama / Qwen2 (local layer spec), TP-sharded, both ways.
+"""HF <-> Megatron-Core weights for Llama / Qwen2 / Qwen3-MoE (local layer spec), TP-sharded, both ways.
 
 Megatron's names (``GPTModel`` with ``get_gpt_layer_local_spec``), ``i`` a stage-local layer index:
 
@@ -15,6 +15,25 @@ decoder.layers.i.mlp.linear_fc2.weight        down_proj (split over tp along its
 decoder.final_layernorm.weight                model.norm.weight
 output_layer.weight                           lm_head.weight (absent when tied on one stage)
 ============================================  ===============================================================
+
+Qwen3-MoE (Megatron's ``MoELayer``: router + ``SequentialMLP``; TP 1; ``ep`` ranks hold ``E / ep`` experts each,
+rank ``r`` the experts ``[r * E/ep, (r+1) * E/ep)``):
+
+=====================================================  =====================================================
+Megatron                                               HF
+=====================================================  =====================================================
+decoder.layers.i.self_attention.q_layernorm.weight     model.layers.g.self_attn.q_norm.weight (head_dim,)
+decoder.layers.i.self_attention.k_layernorm.weight     model.layers.g.self_attn.k_norm.weight (head_dim,)
+decoder.layers.i.mlp.router.weight                     model.layers.g.mlp.gate.weight (E, H)
+decoder.layers.i.mlp.experts.local_experts.j.          model.layers.g.mlp.experts.gate_up_proj[e] (2I, H):
+linear_fc1.weight                                      [gate; up], e = ep_rank * E/ep + j
+decoder.layers.i.mlp.experts.local_experts.j.          model.layers.g.mlp.experts.down_proj[e] (H, I)
+linear_fc2.weight
+=====================================================  =====================================================
+
+``to_hf`` takes the experts of a layer whole: ``decoder.layers.g.mlp.experts.linear_fc1.weight`` (a name of
+this module's, no Megatron parameter) with the one shard ``(E, 2I, H)``, all experts stacked in global order
+(``MegatronModel`` gathers them over EP); likewise ``linear_fc2`` ``(E, H, I)``.
 
 The fused QKV is laid out per query group: for each of the ``num_query_groups`` groups, its
 ``heads / groups`` query heads, then its key head, then its value head (``head_dim`` rows each). TP splits
@@ -76,9 +95,30 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-def to_megatron(name: str, layer: int | None, get: Getter, cfg, tp: int, tp_rank: int) -> torch.Tensor:
+EXPERTS = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}  # Megatron expert linear -> HF's stacked tensor
+LAYER_MOE = {"self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+             "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+             "mlp.router.weight": "mlp.gate.weight"}
+
+
+def expert_index(name: str) -> tuple[int, str] | None:
+    """``(local expert j, "linear_fc1" | "linear_fc2")`` of a ``...mlp.experts.local_experts.j.<linear>.weight``
+    name; None for any other.
+
+    >>> expert_index("decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight")
+    (3, 'linear_fc2')
+    """
+    parts = name.split(".")
+    if len(parts) == 9 and parts[3:5] == ["mlp", "experts"] and parts[5] == "local_experts":
+        return int(parts[6]), parts[7]
+    return None
+
+
+def to_megatron(name: str, layer: int | None, get: Getter, cfg, tp: int, tp_rank: int, ep: int = 1,
+                ep_rank: int = 0) -> torch.Tensor:
     """This TP rank's shard of the Megatron parameter ``name`` (stage-local name; ``layer`` its global layer
-    index, None outside the decoder layers), read from HF tensors through ``get(hf_name)``."""
+    index, None outside the decoder layers), read from HF tensors through ``get(hf_name)``. An expert's
+    weight is the expert ``ep_rank * E/ep + j`` of HF's stacked tensor (experts are not TP-split here)."""
     vocab = padded_vocab(cfg.vocab_size, tp)
     if name == "embedding.word_embeddings.weight":
         return _chunk(_pad_rows(get("model.embed_tokens.weight"), vocab), tp, tp_rank)
@@ -106,7 +146,20 @@ def to_megatron(name: str, layer: int | None, get: Getter, cfg, tp: int, tp_rank
                           _chunk(get(p + "mlp.up_proj.weight"), tp, tp_rank)])
     if suffix == "mlp.linear_fc2.weight":
         return _chunk(get(p + "mlp.down_proj.weight"), tp, tp_rank, 1)
+    if suffix in LAYER_MOE:
+        return get(p + LAYER_MOE[suffix]).clone()
+    expert = expert_index(name)
+    if expert is not None:
+        j, linear = expert
+        per = _num_experts(cfg) // ep
+        return get(f"{p}mlp.experts.{EXPERTS[linear]}")[ep_rank * per + j].clone()
     raise KeyError(f"no HF counterpart for Megatron parameter {name!r}")
+
+
+def _num_experts(cfg) -> int:
+    from rlkit.backends.families import num_experts
+
+    return num_experts(cfg)
 
 
 def hf_names(name: str, layer: int | None, cfg) -> list[str]:
@@ -118,6 +171,10 @@ def hf_names(name: str, layer: int | None, cfg) -> list[str]:
     p = f"model.layers.{layer}."
     suffix = name.split(".", 3)[3]
     kind = suffix.rsplit(".", 1)[1]
+    if suffix in LAYER_MOE:
+        return [p + LAYER_MOE[suffix]]
+    if suffix in ("mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight"):
+        return [f"{p}mlp.experts.{EXPERTS[suffix.split('.')[2]]}"]
     return {"input_layernorm.weight": [p + "input_layernorm.weight"],
             "pre_mlp_layernorm.weight": [p + "post_attention_layernorm.weight"],
             "self_attention.linear_proj.weight": [p + "self_attn.o_proj.weight"],
@@ -156,7 +213,11 @@ def to_hf(name: str, layer: int | None, shards: list[torch.Tensor], cfg) -> list
                 (p + "mlp.up_proj.weight", torch.cat([h[1] for h in halves]))]
     if suffix == "mlp.linear_fc2.weight":
         return [(p + "mlp.down_proj.weight", torch.cat(shards, 1))]
+    if suffix in LAYER_MOE:
+        return [(p + LAYER_MOE[suffix], shards[0])]
+    if suffix in ("mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight"):
+        return [(f"{p}mlp.experts.{EXPERTS[suffix.split('.')[2]]}", shards[0])]  # (E, ...) stacked already
     raise KeyError(f"no HF counterpart for Megatron parameter {name!r}")
 
 
-__all__ = ["fuse_qkv", "hf_names", "padded_vocab", "split_qkv", "to_hf", "to_megatron"]
+__all__ = ["EXPERTS", "LAYER_MOE", "expert_index", "fuse_qkv", "hf_names", "padded_vocab", "split_qkv", "to_hf", "to_megatron"]

@@ -1,4 +1,5 @@
-"""MegatronModel: ParallelModel's interface over Megatron-Core's GPTModel (TP, 1F1B PP, DDP).
+"""MegatronModel: ParallelModel's interface over Megatron-Core's GPTModel (TP, 1F1B PP, DDP; for Qwen3-MoE its
+MoELayer with expert parallelism, ``ParallelPlan(ep=...)``).
 
 The HF checkpoint is converted into a ``GPTModel`` built with Megatron's local layer spec (no Transformer
 Engine), fp32 weights, no dropout and no fused kernels, on the ranks of an already-initialized
@@ -27,9 +28,12 @@ import torch.nn.functional as F
 
 from rlkit import atomic
 from rlkit.backends.families import (
+    check_experts,
     check_family,
     gpt_model_kwargs,
     head_dim,
+    is_moe,
+    num_experts,
     rope_theta,
     transformer_config_kwargs,
 )
@@ -73,18 +77,23 @@ def init_parallel_state(plan: ParallelPlan, seed: int = 0) -> None:
     _state_world[0] = world
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                ps.get_data_parallel_world_size())
-        if have != (plan.tp, plan.pp, plan.dp):
-            raise PlanError(f"Megatron's parallel state of this process is tp, pp, dp = {have}; a model of plan "
-                            f"{plan.describe()} cannot share it (one layout per process)")
+                ps.get_data_parallel_world_size(), ps.get_expert_model_parallel_world_size())
+        if have != (plan.tp, plan.pp, plan.dp, plan.ep):
+            raise PlanError(f"Megatron's parallel state of this process is tp, pp, dp, ep = {have}; a model of "
+                            f"plan {plan.describe()} cannot share it (one layout per process)")
         return
-    ps.initialize_model_parallel(tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp)
+    # ep: Megatron's expert groups are ep consecutive DP ranks (its expert rank order tp-ep-dp-pp; an MoE
+    # model runs at tp=1, so the experts are not TP-split)
+    ps.initialize_model_parallel(tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp,
+                                 expert_model_parallel_size=plan.ep)
     # The tracker Megatron forks for dropout: the inference one is a no-op (dropout is 0 here), and the
     # default one reads CUDA's RNG, which a CPU process has not got.
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
     mine = plan.coords(dist.get_rank())
     got = {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
            "dp": ps.get_data_parallel_rank()}
+    if plan.ep > 1:
+        got["ep"], mine = ps.get_expert_model_parallel_rank(), dict(mine, ep=mine["dp"] % plan.ep)
     if got != mine:  # rlkit's plan and Megatron must agree on who is who
         raise PlanError(f"Megatron placed rank {dist.get_rank()} at {got}, the plan at {mine}")
 
@@ -108,7 +117,8 @@ class _VocabHead(nn.Module):
 
 
 class MegatronModel:
-    """This rank's share of an HF Llama / Qwen2 model as a Megatron-Core ``GPTModel`` under ``plan``.
+    """This rank's share of an HF Llama / Qwen2 / Qwen3-MoE model as a Megatron-Core ``GPTModel`` under ``plan``
+    (Qwen3-MoE: its MoE layers' experts split over ``plan.ep`` DP ranks, tp=1).
 
     Args mirror ``ParallelModel``: ``model`` a local HF checkpoint folder (or module), ``head`` "lm" or
     "value" (critic: a seeded ``nn.Linear(hidden, 1)`` on the final-normed hidden state), AdamW's
@@ -136,7 +146,6 @@ class MegatronModel:
         if plan.dp > 1 and plan.dp_shard != "replicate":
             raise PlanError(f"Megatron-Core's DP replicates the weights here; use dp_shard='replicate', not "
                             f"{plan.dp_shard!r}")
-        shim.install()
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.models.gpt import GPTModel
@@ -149,6 +158,13 @@ class MegatronModel:
         hf = empty_model(model) if reader is not None else load_hf(model)
         cfg = hf.config
         check_family(cfg)
+        check_experts(cfg, plan.ep)
+        self.moe = is_moe(cfg)
+        if self.moe and plan.tp > 1:
+            raise PlanError(f"backend='megatron' runs a mixture-of-experts model at tp=1 here (Megatron's MoE "
+                            f"layer under TP needs sequence parallelism, not wired yet); got tp={plan.tp}: use "
+                            f"dp (and ep) instead")
+        shim.install_moe() if self.moe else shim.install()
         plan.validate(model=cfg)
         if cfg.num_hidden_layers % plan.pp:
             raise PlanError(f"backend='megatron' splits {cfg.num_hidden_layers} layers evenly over pp={plan.pp}; "
@@ -160,12 +176,17 @@ class MegatronModel:
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), plan.dp
         self.tp_group, self.pp_group = ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group()
         self.dp_group, self.mp_group = ps.get_data_parallel_group(), ps.get_model_parallel_group()
+        self.ep_rank = ps.get_expert_model_parallel_rank() if plan.ep > 1 else 0
+        # the experts' gradient norms add up over the ranks that hold different experts: EP x TP x PP
+        self.ep_group = ps.get_expert_model_parallel_group() if plan.ep > 1 else None
+        self.expert_mp_group = ps.get_expert_tensor_model_pipeline_parallel_group() if self.moe else None
         self.has_first, self.has_last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False)) and head == "lm"
         self.device = torch.device("cpu") if shim.needed() else torch.device("cuda", torch.cuda.current_device())
 
+        moe_kw = dict(expert_model_parallel_size=plan.ep) if self.moe else {}
         self.mcore_config = TransformerConfig(
-            **transformer_config_kwargs(cfg), activation_func=F.silu,
+            **transformer_config_kwargs(cfg), **moe_kw, activation_func=F.silu,
             tensor_model_parallel_size=plan.tp, pipeline_model_parallel_size=plan.pp,
             pipeline_dtype=torch.float32 if plan.pp > 1 else None, params_dtype=torch.float32,
             # perform_initialization stays on although every weight is then overwritten from the checkpoint:
@@ -177,8 +198,10 @@ class MegatronModel:
         kw = gpt_model_kwargs(cfg)
         kw["share_embeddings_and_output_weights"] = self.tied
         with shim.cpu_devices():
-            gpt = GPTModel(config=self.mcore_config, transformer_layer_spec=get_gpt_layer_local_spec(
-                normalization="RMSNorm"), vocab_size=convert.padded_vocab(cfg.vocab_size, plan.tp),
+            spec = get_gpt_layer_local_spec(num_experts=num_experts(cfg), moe_grouped_gemm=False, qk_layernorm=True,
+                                            normalization="RMSNorm") if self.moe else \
+                get_gpt_layer_local_spec(normalization="RMSNorm")
+            gpt = GPTModel(config=self.mcore_config, transformer_layer_spec=spec, vocab_size=convert.padded_vocab(cfg.vocab_size, plan.tp),
                 pre_process=self.has_first, post_process=self.has_last, parallel_output=True, **kw)
         pad = getattr(cfg, "pad_token_id", None)
         if self.has_first and pad is not None:
@@ -194,10 +217,20 @@ class MegatronModel:
                             (gpt.value_head.named_parameters() if hasattr(gpt, "value_head") else [])}
         whole = {} if reader is not None else dict(hf.state_dict())
 
+        stacked: dict[str, torch.Tensor] = {}  # the last two stacked expert tensors read (gate_up, down)
+
         def read(name: str) -> torch.Tensor:
             if name in self._value_init:
                 return self._value_init[name]
-            return reader.get(name) if reader is not None else whole[name]
+            if reader is None:
+                return whole[name]
+            if ".mlp.experts." in name:  # one layer's stacked experts (the reader stacks transformers' one-by-one
+                if name not in stacked:  # layout): read once for all of this rank's experts, not once per expert
+                    if len(stacked) == 2:
+                        stacked.pop(next(iter(stacked)))
+                    stacked[name] = reader.get(name)
+                return stacked[name]
+            return reader.get(name)
 
         # HF's parameter order (and shapes) for iter_full_weights: a tied lm_head is the embedding
         self._hf_shapes = {n: tuple(p.shape) for n, p in hf.named_parameters()}
@@ -208,7 +241,7 @@ class MegatronModel:
         with torch.no_grad():
             for name, p in gpt.named_parameters():
                 p.copy_(convert.to_megatron(name, self._global_layer(gpt, name), read, cfg,
-                                            plan.tp, self.tp_rank))
+                                            plan.tp, self.tp_rank, plan.ep, self.ep_rank))
         whole.clear()  # the whole model loaded (module or hub id) goes with it
         if self.device.type == "cuda":  # built on the CPU (use_cpu_initialization); trained on the GPU
             gpt.cuda(self.device)
@@ -394,14 +427,20 @@ class MegatronModel:
         """L2 norm of the whole model's gradient: TP shards summed over TP, TP-replicated parameters
         counted once, stages summed over PP, a tied embedding's copy once (DP replicas hold the same)."""
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        sq_experts = torch.zeros((), dtype=torch.float64, device=self.device)  # each EP rank's own experts
         for name, p in self.named.items():
             if p.grad is None or (self._tied_copy and name == "output_layer.weight"):
+                continue
+            if convert.expert_index(name) is not None:
+                sq_experts += p.grad.double().norm() ** 2
                 continue
             if not getattr(p, "tensor_model_parallel", False) and self.tp_rank != 0:
                 continue
             sq += p.grad.double().norm() ** 2
         dist.all_reduce(sq, group=self.mp_group)
-        return float(sq.sqrt().item())
+        if self.moe:
+            dist.all_reduce(sq_experts, group=self.expert_mp_group)
+        return float((sq + sq_experts).sqrt().item())
 
     def optimizer_step(self) -> float:
         """Clip (global grad norm) and step AdamW; returns the pre-clip grad norm."""
@@ -432,6 +471,9 @@ class MegatronModel:
         per = n // pp
         layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
                  "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+        if self.moe:  # the experts as two stacked units (gathered over EP in _iter_full)
+            layer[4:] = ["self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight", "mlp.router.weight",
+                         "mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight"]
         if getattr(self.mcore_config, "add_qkv_bias", False):
             layer.insert(2, "self_attention.linear_qkv.bias")
         units = [(0, ["embedding.word_embeddings.weight"])]
@@ -461,6 +503,11 @@ class MegatronModel:
             got: list[tuple[str, torch.Tensor]] = []
             if owner == self.pp_rank:
                 for name in names:
+                    if ".mlp.experts." in name:
+                        t, sent = self._experts(name, tensor_of)
+                        moved += sent
+                        got += convert.to_hf(name, _layer_of(name), [t], self.config)
+                        continue
                     p = self.named[self._local_name(name)]
                     t = tensor_of(p).detach()
                     shards = [t]
@@ -481,6 +528,20 @@ class MegatronModel:
                     dist.broadcast(t, src=dist.get_global_rank(self.pp_group, owner), group=self.pp_group)
                 self.last_transfer["bytes"] = float(moved)
                 yield hf_name, (t.cpu().clone() if receive and t is not None else None)
+
+    def _experts(self, name: str, tensor_of: Callable[[nn.Parameter], torch.Tensor]) -> tuple[torch.Tensor, int]:
+        """All experts of the stacked unit ``decoder.layers.g.mlp.experts.<linear>.weight`` as one (E, ...)
+        tensor in global expert order (this rank's gathered with the other EP ranks'), and the bytes received."""
+        head, linear = name.rsplit(".mlp.experts.", 1)
+        local = self._local_name(head)
+        mine = [tensor_of(self.named[f"{local}.mlp.experts.local_experts.{j}.{linear}"]).detach()
+                for j in range(num_experts(self.config) // self.plan.ep)]
+        t = torch.stack(mine)
+        if self.plan.ep == 1:
+            return t, 0
+        parts = [torch.empty_like(t) for _ in range(self.plan.ep)]
+        dist.all_gather(parts, t, group=self.ep_group)  # EP ranks in order hold the experts in order
+        return torch.cat(parts), t.numel() * t.element_size() * (self.plan.ep - 1)
 
     def _unit_hf_names(self, names: list[str]) -> list[str]:
         """The HF names (in HF's order) a unit of Megatron names converts to, without the tensors."""

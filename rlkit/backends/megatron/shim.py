@@ -11,6 +11,16 @@ that rlkit's paths reach even with ``use_cpu_initialization=True``:
   around Megatron's schedule calls and model construction (it costs a Python call per torch op, so it is
   never left on).
 
+A mixture-of-experts model (Megatron's ``MoELayer``, the alltoall token dispatcher) needs three more, in
+``install_moe()`` (the same checks, probed in shared/probes/backends/mcore_moe.py):
+
+* ``moe_utils.te_general_gemm``: imported only with Transformer Engine, yet the router's gating function reads
+  it (a NameError without TE): defined as None, so its ``torch.mm`` fallback is taken.
+* ``torch.cuda.Stream`` / ``current_stream`` / ``stream``: the alltoall dispatcher creates a side stream for its
+  device-to-host copies of the split sizes: a stand-in whose waits and events do nothing.
+* The dispatcher's split sizes go to ``all_to_all_single`` as numpy arrays through
+  ``maybe_move_tensor_to_cpu``, which converts CUDA tensors only: CPU tensors are converted too.
+
 ``install()`` patches only when CUDA is unavailable, once per process (idempotent); with a GPU Megatron
 runs unpatched. Another Megatron version may move these call sites: re-check before bumping the pin.
 """
@@ -49,6 +59,69 @@ def install() -> bool:
     return True
 
 
+class _Event:
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class _Stream:
+    """``torch.cuda.Stream`` on a CPU: one implicit stream, every wait and event a no-op."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any, **kwargs: Any) -> _Event:
+        return _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Stream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+_moe_installed = False
+
+
+def install_moe() -> bool:
+    """``install()`` plus the MoE layer's patches (see the module's docstring); imports Megatron's MoE modules.
+    Returns whether the shim is active; a second call changes nothing."""
+    global _moe_installed
+    if not install():
+        return False
+    if _moe_installed:
+        return True
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    torch.cuda.Stream = _Stream
+    torch.cuda.current_stream = lambda *args, **kwargs: _Stream()
+    torch.cuda.stream = lambda *args, **kwargs: contextlib.nullcontext()
+    to_cpu = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def move_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy() if as_numpy else tensor
+        return to_cpu(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
+    _moe_installed = True
+    return True
+
+
 def installed() -> bool:
     """Whether ``install`` patched this process."""
     return _installed
@@ -77,4 +150,4 @@ def cpu_devices() -> Iterator[None]:
         yield
 
 
-__all__ = ["CHECKED_ON", "cpu_devices", "install", "installed", "needed"]
+__all__ = ["CHECKED_ON", "cpu_devices", "install", "install_moe", "installed", "needed"]
