@@ -84,8 +84,8 @@ deps:
 
 # What CI runs: lint and the default suite in two lanes. The main lane: ruff and every test but the notebooks'.
 # The side lane, a second process: the vLLM venv built and the vLLM engine and trainer tests run in it, then
-# notebook 02's live view in Chromium and the notebooks and tutorials (tests/test_notebooks.py, one at a time)
-# in the main venv once the main lane built it.
+# notebook 02's live view in Chromium, SIDE_TESTS, and the notebooks and tutorials (tests/test_notebooks.py, one
+# at a time) in the main venv once the main lane built it.
 # Much of the suite is waiting (Ray, kernels and workers starting), which the other lane fills: on 2 cores the
 # two lanes take less than one after the other (bench/README.md: "The test lanes"). The side lane's output is
 # printed after the main lane's; the run fails when either fails.
@@ -93,11 +93,15 @@ deps:
 # The longest browser test (notebook 02's 100-step fit in Chromium, ~2.5 min) runs in the side lane, before the
 # notebooks: the main lane is the longer one.
 LIVE_VIEW_TEST := tests/test_browser.py::test_notebook_02_live_view_redraws_during_fit
+# Tests of the main venv that run in the side lane too, to even the lanes out (the main lane is the longer one):
+# expert parallelism's launches and its learning run, ~3.5 min.
+SIDE_TESTS := tests/test_moe_parallel.py
 test:
 	@log=$$(mktemp -t rlkit-test-side-XXXXXX); \
 	$(MAKE) --no-print-directory test-side > $$log 2>&1 & side=$$!; \
 	$(MAKE) --no-print-directory -j2 -Otarget $(STAMP) browser && $(BIN)/ruff check . && \
-	$(REQUIRE) $(BIN)/python -m pytest -q --ignore=tests/test_notebooks.py --deselect $(LIVE_VIEW_TEST) $(DURATIONS); rc=$$?; \
+	$(REQUIRE) $(BIN)/python -m pytest -q --ignore=tests/test_notebooks.py $(SIDE_TESTS:%=--ignore=%) --deselect $(LIVE_VIEW_TEST) \
+		$(DURATIONS); rc=$$?; \
 	echo "waiting for the side lane (make test-side: the vLLM tests, then the notebooks) ..."; wait $$side; vrc=$$?; \
 	echo "==== make test-side (run beside the suite): exit $$vrc ===="; cat $$log; rm -f $$log; \
 	[ $$rc -eq 0 ] && [ $$vrc -eq 0 ]
@@ -116,7 +120,7 @@ test-notebooks:
 	@for i in $$(seq 180); do $(MAKE) --no-print-directory -q $(STAMP) && break; sleep 5; done; \
 	$(MAKE) --no-print-directory -q $(STAMP) || { echo "test-notebooks: .venv was not set up within 15 minutes (make setup)"; exit 1; }
 	@$(MAKE) --no-print-directory browser
-	$(REQUIRE) $(BIN)/python -m pytest -q $(LIVE_VIEW_TEST) $(DURATIONS); b=$$?; \
+	$(REQUIRE) $(BIN)/python -m pytest -q $(LIVE_VIEW_TEST) $(SIDE_TESTS) $(DURATIONS); b=$$?; \
 	$(REQUIRE) RLKIT_NOTEBOOK_PARALLEL=1 $(BIN)/python -m pytest -q tests/test_notebooks.py $(DURATIONS); n=$$?; \
 	[ $$b -eq 0 ] && [ $$n -eq 0 ]
 
