@@ -119,6 +119,18 @@ def test_figure_has_every_panel_and_the_right_curves(rows):
     assert axes["KL"].lines[0].get_ydata()[-1] == pytest.approx(0.2)
 
 
+def test_mixture_of_experts_panels_draw_each_layer():
+    """An MoE run's rows: the expert load and the route flips, one line per layer and a thick one over all."""
+    rows = [{"step": i, "reward/mean": 0.1, "router/load_max": 2.0 + i, "router/load_max/0": 1.5,
+             "router/load_max/1": 2.0 + i, "router/flip_rate": 0.01 * i, "router/flip_rate/0": 0.0,
+             "router/flip_rate/1": 0.02 * i} for i in range(1, 6)]
+    axes = {ax.get_title(): ax for ax in metrics_figure(rows).axes}
+    load, flips = axes["expert load max/mean per layer"], axes["route flips per layer (share of tokens)"]
+    assert [ln.get_label() for ln in load.lines] == ["layer 0", "layer 1", "worst"]
+    assert [ln.get_label() for ln in flips.lines] == ["layer 0", "layer 1", "all layers"]
+    assert list(flips.lines[1].get_ydata()) == pytest.approx([0.02, 0.04, 0.06, 0.08, 0.10])
+
+
 def test_missing_keys_skip_their_panels(rows):
     # GRPO with kl_coef=0 and no memory sampling: no KL, no memory panel
     assert panels(pd.DataFrame(drop(rows, "kl", "memory/"))) == ["reward", "entropy", "response length",

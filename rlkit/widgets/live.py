@@ -67,13 +67,13 @@ LINE_PANELS = (("KL", "kl"), ("entropy", "entropy"), ("response length", "respon
                ("filtered groups (share)", "dynamic/filtered_share"),
                # streaming (rlkit.stream): the samples whose tokens span versions, and the buffer's fill
                ("samples across an update (share)", "stream/crossed_share"),
-               ("stream buffer (groups)", "stream/buffer_groups"),
-               # mixture of experts (rlkit.parallel.moe): the busiest expert over the mean, worst layer; and the
-               # share of tokens whose router chose other experts than the engine (routing replay's subject)
-               ("expert load max/mean (worst layer)", "router/load_max"),
-               ("route flips (share of tokens)", "router/flip_rate"))
+               ("stream buffer (groups)", "stream/buffer_groups"))
 STALENESS = "samples by versions behind (share)"  # streaming: a stacked histogram per step
 LAG_KEY = re.compile(r"^stream/staleness/(\d+)$")
+# mixture of experts (rlkit.parallel.moe), one line per MoE layer and a thick one over all: the busiest expert
+# over the mean, and the share of tokens whose router chose other experts than the engine (routing replay's subject)
+PER_LAYER = {"expert load max/mean per layer": ("router/load_max", "worst"),
+             "route flips per layer (share of tokens)": ("router/flip_rate", "all layers")}
 RANK_KEY = re.compile(r"^memory/rss_gb/rank(\d+)$")
 ERROR_KEY = re.compile(r"^episode/errors/(.+)$")  # tool errors of one kind per episode (bad_json, timeout, ...)
 DPI = 80  # 12x6 in -> 960x480 px: readable in a notebook, cheap to render
@@ -259,6 +259,16 @@ def _tool_errors_panel(ax: Any, df: pd.DataFrame, x: Any) -> None:
         _legend_on_top(ax)
 
 
+def _per_layer_panel(ax: Any, df: pd.DataFrame, x: Any, key: str, overall: str) -> None:
+    """``key/<layer>`` for every layer as a thin line, ``key`` (over the layers) as a thick one."""
+    layers = sorted((int(k.rsplit("/", 1)[1]), k) for k in df.columns if k.startswith(key + "/") and _has(df, k))
+    for i, k in layers:
+        ax.plot(x, df[k].to_numpy(), "-", lw=0.8, alpha=0.7, label=f"layer {i}")
+    ax.plot(x, df[key].to_numpy(), "-", lw=2.0, color="#222222", label=overall)
+    if len(layers) <= 8:
+        _legend_on_top(ax)
+
+
 def _memory_panel(ax: Any, df: pd.DataFrame, x: Any) -> None:
     ranks = _rank_keys(df)
     for k in ranks:
@@ -284,11 +294,14 @@ def panels(df: pd.DataFrame) -> list[str]:
 
     >>> panels(pd.DataFrame([{"step": 1, "entropy": 2.0, "timing/update": 0.5}]))
     ['entropy', 'phase timing (s)']
+    >>> panels(pd.DataFrame([{"step": 1, "router/load_max": 1.5, "router/load_max/0": 1.5}]))
+    ['expert load max/mean per layer']
     """
     out = ["reward"] if _has(df, "reward/mean") else []
     out += [title for title, key in LINE_PANELS if _has(df, key)]
     if any(LAG_KEY.match(k) for k in df.columns):
         out.append(STALENESS)
+    out += [title for title, (key, _) in PER_LAYER.items() if _has(df, key)]
     if any(_has(df, f"timing/{p}") for p in PHASES):
         out.append("phase timing (s)")
     if _rank_keys(df) or _has(df, "memory/rss_max_gb"):
@@ -341,6 +354,8 @@ def metrics_figure(df_or_rows: pd.DataFrame | list[dict[str, Any]], *, rolling: 
             _memory_panel(ax, df, x)
         elif name == TOOL_ERRORS:
             _tool_errors_panel(ax, df, x)
+        elif name in PER_LAYER:
+            _per_layer_panel(ax, df, x, *PER_LAYER[name])
         else:
             ax.plot(x, df[line_keys[name]].to_numpy(), "-", lw=1.2, color="#4C72B0")
         ax.autoscale_view()
