@@ -56,7 +56,7 @@ TRAIN_KEYS = {"model": str, "task": str, "algorithm": str, "dp": int, "tp": int,
               "micro_batches": int, "steps": int, "n": int, "max_new_tokens": int, "temperature": float,
               "engine": str, "lr": float, "prompts_per_step": int, "kl_coef": float, "epochs": int,
               "minibatches": int, "seed": int, "run_dir": str, "address": str, "sft_steps": int,
-              "lora": int, "backend": str, "dp_shard": str}
+              "lora": int, "backend": str, "dp_shard": str, "ep": int}
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
@@ -143,7 +143,8 @@ def _checked_train_config(cfg: dict) -> dict:
     else:
         model = resolve_checkpoint(model)
     plan = rlkit.ParallelPlan(dp=cfg["dp"], tp=cfg["tp"], pp=cfg["pp"], micro_batches=cfg.get("micro_batches"),
-                              **({"dp_shard": cfg["dp_shard"]} if cfg.get("dp_shard") else {}))
+                              **({"dp_shard": cfg["dp_shard"]} if cfg.get("dp_shard") else {}),
+                              **({"ep": cfg["ep"]} if cfg.get("ep") is not None else {}))
     if not model.startswith("tiny-"):
         plan.validate(model=model)
     rollout = rlkit.Rollout(engine=cfg["engine"], n=cfg["n"], max_new_tokens=cfg["max_new_tokens"],

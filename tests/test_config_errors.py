@@ -328,6 +328,7 @@ TRAIN_FLAG_BAD = {
     "lora": [("0", "LoRA r=0 must be a positive int")],
     "backend": [("jax", "backend='jax' is not a training backend; choose one of ('torch', 'megatron', 'deepspeed')")],
     "dp_shard": [("zero9", "dp_shard='zero9' is not a sharding mode")],
+    "ep": [("0", "ep=0 must be a positive integer")],
 }
 
 
