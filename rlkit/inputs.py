@@ -289,8 +289,14 @@ def check_moe(config: TrainerConfig, model_path: str, rollout: Rollout) -> None:
     from transformers import AutoConfig
 
     from rlkit.parallel.moe import is_moe
+    from rlkit.rollout import engine_name
 
     moe = is_moe(AutoConfig.from_pretrained(model_path))
+    if moe and engine_name(rollout, model_path) == "vllm":
+        raise TrainerError(f"{model_path} is a mixture of experts, and rlkit cannot keep a vLLM engine of one in sync "
+                           f"with the trainer: vLLM 0.32's CPU build generates the tiny Qwen3-MoE as transformers does "
+                           f"(4.8e-7 in log-prob), but after an in-place weight reload its log-probs are 0.06 off even "
+                           f"for the same weights (measured). Use Rollout(engine='hf')")
     if rollout.record_routing and not moe:
         raise TrainerError(f"Rollout(record_routing=True) records which experts each token went to, but {model_path} "
                            f"is a dense model (no experts in its config); use record_routing=False")

@@ -460,12 +460,13 @@ def _moe_cases():
          "the torch backend"),
         (dict(routing_replay=True), moe, "routing_replay=True replays the experts the engine chose, so the engine "
          "must record them: set Rollout(record_routing=True)"),
+        (dict(rollout=rlkit.Rollout(engine="vllm", n=2)), moe, "rlkit cannot keep a vLLM engine of one in sync"),
         (dict(rollout=rlkit.Rollout(engine="hf", n=2, record_routing=True)), None, "Rollout(record_routing=True) records "
          "which experts each token went to, but"),
     ]
 
 
-@pytest.mark.parametrize("case", range(9))
+@pytest.mark.parametrize("case", range(10))
 def test_moe_errors_fail_before_any_worker(case, model, no_workers_start):
     """Expert parallelism and the router's losses asked of a model or backend that cannot take them."""
     kw, path, expect = _moe_cases()[case]

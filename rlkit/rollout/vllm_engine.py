@@ -20,7 +20,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -69,6 +69,31 @@ def _check_cpu_head_dim(hf_cfg) -> None:
         raise RolloutError(f"head_dim={head_dim} is not supported by vLLM on CPU (supported: {supported}); "
                            f"use a model with head_dim 32+ (e.g. tiny_lm('qwen2', size='test', "
                            f"num_attention_heads=2, num_key_value_heads=1)) or Rollout(engine='hf')")
+
+
+def per_expert(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``items`` with each fused expert tensor of a mixture of experts, as transformers >= 5 holds them
+    (``...mlp.experts.gate_up_proj`` ``(E, 2I, H)``, gate then up; ``...mlp.experts.down_proj`` ``(E, H, I)``),
+    cut into the per-expert names its checkpoints and vLLM use (``...mlp.experts.<e>.gate_proj.weight``, ...).
+
+    >>> names = [n for n, _ in per_expert([("m.layers.0.mlp.experts.gate_up_proj", torch.zeros(2, 6, 4)),
+    ...                                     ("m.norm.weight", torch.zeros(4))])]
+    >>> names[:3], names[-1], len(names)
+    (['m.layers.0.mlp.experts.0.gate_proj.weight', 'm.layers.0.mlp.experts.0.up_proj.weight', \
+'m.layers.0.mlp.experts.1.gate_proj.weight'], 'm.norm.weight', 5)
+    """
+    for name, t in items:
+        prefix, _, what = name.rpartition(".")
+        if not prefix.endswith(".mlp.experts") or what not in ("gate_up_proj", "down_proj"):
+            yield name, t
+        elif what == "gate_up_proj":
+            gate, up = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                yield f"{prefix}.{e}.gate_proj.weight", gate[e]
+                yield f"{prefix}.{e}.up_proj.weight", up[e]
+        else:
+            for e in range(t.shape[0]):
+                yield f"{prefix}.{e}.down_proj.weight", t[e]
 
 
 class VLLMEngine(RolloutEngine):
@@ -181,13 +206,14 @@ class VLLMEngine(RolloutEngine):
         return responses, logprobs, reasons
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        """Sync weights (HF checkpoint names, full tensors) into the running engine, in place.
+        """Sync weights (HF checkpoint names, full tensors) into the running engine, in place. A mixture of
+        experts' fused expert tensors (transformers' in-memory layout) go in one expert at a time (``per_expert``).
 
         Names are checked against the checkpoint first, so a wrong name fails here with the name, not
         deep inside vLLM. The prefix cache is cleared: cached KV was computed by the old weights.
         """
         t0 = time.perf_counter()
-        items = list(named_tensor_items(named_tensors))
+        items = list(per_expert(named_tensor_items(named_tensors)))
         if self.tied:
             # vLLM shares the embedding's storage with lm_head, but on CPU the lm_head also keeps a packed
             # copy for its matmul, refreshed only when "lm_head.weight" itself is loaded: without it the
