@@ -44,8 +44,10 @@ def is_moe(config: Any) -> bool:
 
 
 def num_experts(config: Any) -> int:
-    """Experts per MoE layer (transformers 5 names it ``num_local_experts``, aliased ``num_experts``)."""
-    return int(_get(config, "num_experts", None) or _get(config, "num_local_experts", 0) or 0)
+    """Experts per MoE layer, as the planner reads them (``ModelSpec.num_experts``)."""
+    from rlkit.plan.spec import as_spec
+
+    return as_spec(config).num_experts
 
 
 def check_family(config: Any) -> None:

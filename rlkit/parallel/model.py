@@ -182,6 +182,7 @@ class ParallelModel:
         # (taken after materialize, which gives meta parameters storage as new objects)
         self.tp_partial = [p for st in self.stages for p in tp_partial_grads(st, self.config)] if plan.tp > 1 else []
         self.expert_params = expert_params(self.moes) if plan.ep > 1 else []
+        self._moe_layers = moe_layers(self.config) if self.moes else 0  # the router losses' mean is over these
         # what trains: everything, or with LoRA the adapters only (the base has no grads, no AdamW state)
         self.trainable = [p for p in self.params if p.requires_grad]
         # Plain tensors (no TP, no FSDP): the fused kernel (6x the per-tensor loop at 135M on one CPU
@@ -395,7 +396,7 @@ class ParallelModel:
         scales = loss_scales(weights, self.dp_size, self.dp_group, self.device)
         # the router's losses: a mean over micro-batches (a pipeline schedule divides by m itself) and layers
         for moe in self.moes:
-            moe.loss_scale = (1.0 / m if self.plan.pp == 1 else 1.0) / moe_layers(self.config)
+            moe.loss_scale = (1.0 / m if self.plan.pp == 1 else 1.0) / self._moe_layers
         total = torch.zeros((), device=self.device)
         if self.plan.pp == 1:
             st = self.stages[0]

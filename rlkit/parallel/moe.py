@@ -33,14 +33,16 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from rlkit.errors import PlanError
+from rlkit.parallel.gather import local
+from rlkit.plan.spec import as_spec
 
 
 def is_moe(config: Any) -> bool:
-    """Whether ``config`` (an HF config) describes a mixture-of-experts model."""
-    return bool(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
+    """Whether ``config`` (an HF config) describes a mixture-of-experts model (``ModelSpec.is_moe``)."""
+    return as_spec(config).is_moe
 
 
 class _AddLossGrad(torch.autograd.Function):
@@ -162,10 +164,7 @@ class MoE(nn.Module):
         # arrived grouped by source rank, then expert: regroup by expert, run each, put back
         which = torch.arange(n_local, device=x.device).repeat(ep).repeat_interleave(got.reshape(-1))
         perm = which.argsort(stable=True)
-        gate_up = self.experts.gate_up_proj
-        down = self.experts.down_proj
-        gate_up = gate_up.to_local() if isinstance(gate_up, DTensor) else gate_up
-        down = down.to_local() if isinstance(down, DTensor) else down
+        gate_up, down = local(self.experts.gate_up_proj), local(self.experts.down_proj)
         outs = []
         for j, part in enumerate(rows[perm].split(got.sum(0).tolist())):
             g, u = F.linear(part, gate_up[j].to(part.dtype)).chunk(2, dim=-1)
@@ -232,18 +231,14 @@ def apply_moe(body: nn.Module, config: Any, ep_mesh: DeviceMesh | None = None) -
 
 
 def moe_layers(config: Any) -> int:
-    """How many of the model's decoder layers are sparse (Qwen3-MoE's rule: every ``decoder_sparse_step``-th,
-    except ``mlp_only_layers``).
+    """How many of the model's decoder layers are sparse (``ModelSpec.sparse_layers``: Qwen3-MoE's
+    ``decoder_sparse_step`` and ``mlp_only_layers``, DeepSeek's ``first_k_dense_replace``).
 
     >>> from rlkit.models.tiny import tiny_config
     >>> moe_layers(tiny_config("qwen3_moe")), moe_layers(tiny_config("qwen2"))
     (4, 0)
     """
-    if not is_moe(config):
-        return 0
-    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
-    dense = set(getattr(config, "mlp_only_layers", None) or [])
-    return sum(1 for i in range(config.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+    return len(as_spec(config).sparse_layers)
 
 
 def expert_params(moes: list[MoE]) -> list[nn.Parameter]:

@@ -334,7 +334,7 @@ class HFEngine(RolloutEngine):
                     sampler = _Scripted(forced[start:start + chunk], sampler)
                 kv = None
                 if keys is None or self._lean(ids, cfg) is not None:
-                    new, lp = self._decode(ids, mask, cfg, sampler, temp)
+                    new, lp, routing = self._decode(ids, mask, cfg, sampler, temp)
                 else:
                     past = [self.kv.take(key, len(p) - 1) for p, key in zip(rows[start:start + chunk],
                                                                              keys[start:start + chunk])]
@@ -354,7 +354,7 @@ class HFEngine(RolloutEngine):
                     logprobs.append(row_lp[:end])
                     reasons.append(reason)
                     if cfg.record_routing:  # the prompt's and the kept tokens' choices (the last token's: none)
-                        self.last_routing.append(self._chunk_routing[r][:len(rows[start + r]) + end])
+                        self.last_routing.append(routing[r][:len(rows[start + r]) + end])
                     if kv is not None and reason == "length" and (room is None or end < room[start + r]):
                         self.kv.put(keys[start + r], kv[r])  # it goes on next chunk
         return responses, logprobs, reasons
@@ -378,13 +378,14 @@ class HFEngine(RolloutEngine):
 
     def _decode(self, ids: torch.Tensor, mask: torch.Tensor, cfg: Rollout,
                 sampler: _SeededSampling | _Scripted | None,
-                temp: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """New tokens (rows, T) and their log-probs at ``temp`` for one left-padded chunk: the lean loop
+                temp: float) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
+        """New tokens (rows, T), their log-probs at ``temp`` and (``record_routing``) each row's recorded routing
+        for one left-padded chunk: the lean loop
         when it can stand in for ``generate`` on this model (``decode.unsupported``), else ``generate``."""
         why = self._lean(ids, cfg)
         self.last_decode = "lean" if why is None else f"generate ({why})"
         if why is None:
-            return decode(self.model, ids, mask, cfg.max_new_tokens, *self._lean_ends(cfg, sampler), temp)
+            return (*decode(self.model, ids, mask, cfg.max_new_tokens, *self._lean_ends(cfg, sampler), temp), None)
         stopping = StoppingCriteriaList([_StopOnStrings(self.tokenizer, cfg.stop, ids.shape[1])] if cfg.stop else [])
         recorder = RoutingRecorder(self.model) if cfg.record_routing else contextlib.nullcontext()
         with recorder:
@@ -392,11 +393,11 @@ class HFEngine(RolloutEngine):
                                       generation_config=self._generation_config(cfg), stopping_criteria=stopping,
                                       logits_processor=LogitsProcessorList([sampler] if sampler is not None else []))
         new = out.sequences[:, ids.shape[1]:]
-        if cfg.record_routing:  # every new token's choices; _generate_chunks keeps each row's up to its end
-            self._chunk_routing = recorder.per_row(mask, [new.shape[1]] * new.shape[0])
+        # with record_routing, every new token's choices per row (_generate_chunks keeps each row's up to its end)
+        routing = recorder.per_row(mask, [new.shape[1]] * new.shape[0]) if cfg.record_routing else None
         # log-prob of each sampled token under softmax(raw logits / T), one step at a time so the
         # (rows, vocab) float32 copy exists once, not per step
-        return new, torch.stack([token_logprobs(step, new[:, t], temp) for t, step in enumerate(out.logits)], 1)
+        return new, torch.stack([token_logprobs(step, new[:, t], temp) for t, step in enumerate(out.logits)], 1), routing
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
