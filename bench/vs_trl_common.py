@@ -1,4 +1,5 @@
-"""The bench scripts' shared helper module: the work both sides of bench_vs_trl.py do, how each run is
+"""The bench scripts' shared helper module: the work both sides of bench_vs_trl.py do (and of
+bench_agentic_vs_trl.py, ``AGENTIC``, and bench_task_vs_trl.py, ``TASK``), how each run is
 clocked (imported by both workers), and the pieces more than one bench script uses (the repo root, issue
 13's tiny Qwen2, resolving a model folder, running one worker process). It imports no bench script.
 
@@ -46,6 +47,13 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]  # bench_vs_trl --lora: 
 # max_tokens response tokens in all (TRL's max_completion_length), each turn up to max_new_tokens
 AGENTIC: dict[str, Any] = dict(n=4, prompts_per_step=2, max_turns=2, max_new_tokens=96, max_tokens=96, lr=2e-5,
                                temperature=1.0, kl=0.0, max_grad_norm=1.0, seed=0, digits=(3, 2), train_rows=512)
+# bench_task_vs_trl.py's work: GRPO on reasoning-gym's basic_arithmetic (two 1-digit terms) asked in a chat, on
+# SmolLM2-135M-Instruct: prompts_per_step questions x n samples x up to max_new_tokens, rlkit.MathAnswer() as the
+# reward, one optimizer step per batch, bf16 mixed precision; train_rows: the task's train rows (rlkit's order)
+TASK: dict[str, Any] = dict(model="smollm2-135m-instruct", task="basic_arithmetic", test_fraction=0.3,
+                            config=dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1), n=8,
+                            prompts_per_step=4, max_new_tokens=48, lr=1e-5, temperature=1.0, kl=0.0,
+                            max_grad_norm=1.0, seed=0, train_rows=1000)
 
 
 def calculator_task():
@@ -54,6 +62,46 @@ def calculator_task():
     from rlkit.tasks import Calculator
 
     return Calculator(digits=tuple(AGENTIC["digits"]))
+
+
+def reasoning_task():
+    """``rlkit.tasks.reasoning_gym`` of ``TASK`` in a chat (imports rlkit; needs reasoning-gym: the rlkit venv)."""
+    from rlkit.tasks import reasoning_gym
+
+    return reasoning_gym(TASK["task"], chat=True, test_fraction=TASK["test_fraction"], **TASK["config"])
+
+
+def task_worker_args() -> argparse.Namespace:
+    """The command line both task workers take: ``MODEL_DIR STEPS --rows FILE [--threads N] [--save DIR]
+    [--warmup K]`` (``--rows``: the driver's train rows and the order rlkit visits them in)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("steps", type=int)
+    ap.add_argument("--rows", required=True, help="JSON {rows, order} written by bench_task_vs_trl.py")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--save", default=None, help="save the trained model here (for the held-out evaluation)")
+    ap.add_argument("--warmup", type=int, default=WARMUP_STEPS, help="steps left out of steps/s")
+    return ap.parse_args()
+
+
+def recorded_math_answer(calls: list[dict]) -> Callable[..., list[float]]:
+    """The reward of both sides of bench_task_vs_trl.py: ``rlkit.MathAnswer()`` on each completion's text (rlkit's
+    ``completion_text``: a TRL conversational completion's last message) and the row's ``answer``; each call's
+    questions (one per completion), mean reward and seconds are appended to ``calls``.
+    Imports rlkit's reward module (pure Python, with math-verify), so both venvs use it from the checkout."""
+    from rlkit.rewards.math_answer import MathAnswer
+    from rlkit.tasks.base import completion_text
+
+    score = MathAnswer()
+
+    def math_answer(prompts, completions, answer, question=None, **columns) -> list[float]:
+        t = time.perf_counter()
+        out = score(prompts, [completion_text(c) for c in completions], answer=answer)
+        calls.append({"questions": list(question or []), "reward_mean": sum(out) / max(len(out), 1),
+                      "s": time.perf_counter() - t})
+        return out
+
+    return math_answer
 
 
 def agentic_worker_args() -> argparse.Namespace:
