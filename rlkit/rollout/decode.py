@@ -228,6 +228,24 @@ def positions_and_keys(attention_mask: torch.Tensor, max_new_tokens: int) -> tup
     return positions, valid
 
 
+def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first index of each distinct row of ``rows`` (B, W), in order, and for each row the position of
+    its distinct row in that list: ``rows[first][copies]`` is ``rows``.
+
+    >>> first, copies = distinct_rows(torch.tensor([[1, 2], [1, 2], [3, 4], [1, 2]]))
+    >>> first.tolist(), copies.tolist()
+    ([0, 2], [0, 0, 1, 0])
+    """
+    _, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    B = rows.shape[0]
+    first = torch.full((B,), B, dtype=torch.long, device=rows.device).scatter_reduce_(
+        0, inverse, torch.arange(B, device=rows.device), "amin")
+    first = first[first < B].sort().values  # by first appearance
+    rank = torch.empty_like(first)
+    rank[inverse[first]] = torch.arange(len(first), device=rows.device)
+    return first, rank[inverse]
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """log-probs (B,) of ``tokens`` (B,) under ``softmax(logits / temperature)`` of raw logits (B, V): rlkit's
     convention, the number the actor recomputes."""
@@ -257,7 +275,14 @@ def decode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
     # pad slots stay finite (no real token ever reads them)
     causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
     mask = (causal & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)
-    logits = step(ids, 0, key_bias(mask[:, None], step.embed.dtype))
+    first, copies = distinct_rows(torch.cat([ids, attention_mask], 1))
+    if len(first) == B:
+        logits = step(ids, 0, key_bias(mask[:, None], step.embed.dtype))
+    else:  # n samples of one prompt: its prompt is prefilled once, and its keys and values copied to each
+        once = _Step(model, len(first), P, valid[first, :P], positions[first, :P])
+        logits = once(ids[first], 0, key_bias(mask[first, None], step.embed.dtype))[copies]
+        for (k, v), (k_once, v_once) in zip(step.cache, once.cache):
+            k[:, :, :P], v[:, :, :P] = k_once[copies], v_once[copies]
     return _sample(step, logits, P, max_new_tokens, pick, end_ids, pad_id, stop, temperature)
 
 

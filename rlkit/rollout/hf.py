@@ -9,7 +9,7 @@ log-softmaxed: rlkit's convention, the number the actor recomputes.
 (``output_scores`` would instead hold the scores after top-k/top-p masking, which are -inf for tokens
 the actor's forward still gives a probability to.)
 
-Sampling is rlkit's own (``_SeededSampling``: Gumbel-max with one generator per sample), so a sample's
+Sampling is rlkit's own (``_SeededSampling``: inverse transform with one generator per sample), so a sample's
 tokens depend on its seed and the model only: splitting a call over batches, DP ranks or the generation
 groups of ``Rollout(tp=...)`` samples the same responses.
 """
@@ -68,14 +68,17 @@ class _StopOnStrings(StoppingCriteria):
 
 
 class _SeededSampling(LogitsProcessor):
-    """Samples each row from ``softmax(logits / T)`` (after top-k, then top-p, as HF's warpers do) with
-    the Gumbel-max trick and a generator per row. A row's draws depend on its seed and its own logits
-    only, never on its batch.
+    """Samples each row from ``softmax(logits / T)`` (after top-k, then top-p, as HF's warpers do) by inverse
+    transform: one uniform number per row and step, from the row's own generator, is located in the row's
+    cumulative distribution (summed in float64). A row's draws depend on its seed and its own logits only,
+    never on its batch.
 
-    ``pick(logits)`` returns the drawn tokens (the lean decode loop); as a ``LogitsProcessor`` it hands
-    ``generate`` the perturbed scores, whose argmax is the same draw. Each row's uniform noise is drawn
-    in blocks of steps (``torch.rand(steps, V)`` continues the stream exactly as ``steps`` calls of
-    ``torch.rand(V)`` would), so step t of a call always uses the same numbers.
+    One uniform per draw, where Gumbel-max needs one per vocabulary entry: on a 49k vocabulary that was a
+    quarter of a decode step. ``pick(logits)`` returns the drawn tokens (the lean decode loop); as a
+    ``LogitsProcessor`` it hands ``generate`` scores that are 0 at the drawn token and -inf elsewhere, whose
+    argmax is the draw. Each row's uniforms are drawn ``max_new_tokens`` at a time (``torch.rand(steps)``
+    continues the stream exactly as ``steps`` calls of ``torch.rand(1)`` would), so step t of a call always
+    uses the same number.
 
     >>> s = _SeededSampling([1, 2], Rollout(max_new_tokens=3, top_k=2))
     >>> picks = [s.pick(torch.tensor([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]])) for _ in range(3)]
@@ -83,27 +86,23 @@ class _SeededSampling(LogitsProcessor):
     True
     """
 
-    NOISE_BYTES = 64 << 20  # noise drawn ahead per block: (steps, rows, V) float64 within this
-
     def __init__(self, seeds: list[int], cfg: Rollout):
         self.gens = [torch.Generator().manual_seed(s) for s in seeds]
         self.temperature, self.top_k, self.top_p = cfg.temperature, max(cfg.top_k, 0), cfg.top_p
-        self.max_steps, self.step = cfg.max_new_tokens, 0
-        self.noise, self.noise_start = None, 0
+        self.block, self.step = max(1, cfg.max_new_tokens), 0
+        self.uniforms = torch.empty(0, len(seeds), dtype=torch.float64)  # (steps drawn, rows)
 
-    def _gumbel(self, vocab: int, device: torch.device) -> torch.Tensor:
-        """Gumbel noise (rows, V) float64 of the current step."""
-        t = self.step
-        if self.noise is None or t - self.noise_start >= self.noise.shape[0]:
-            steps = max(1, min(self.max_steps - t, self.NOISE_BYTES // (8 * vocab * len(self.gens))))
-            u = torch.stack([torch.rand(steps, vocab, generator=g, dtype=torch.float64) for g in self.gens], 1)
-            self.noise = (-torch.log(-torch.log(u.clamp(1e-300, 1 - 1e-16)))).to(device)
-            self.noise_start = t
+    def _uniform(self) -> torch.Tensor:
+        """This step's uniform numbers (rows,) float64 in [0, 1)."""
+        if self.step >= self.uniforms.shape[0]:  # the next block of every row's stream
+            more = torch.stack([torch.rand(self.block, generator=g, dtype=torch.float64) for g in self.gens], 1)
+            self.uniforms = torch.cat([self.uniforms, more])
         self.step += 1
-        return self.noise[t - self.noise_start]
+        return self.uniforms[self.step - 1]
 
-    def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits / T`` with top-k / top-p's dropped tokens at -inf, plus this step's Gumbel noise."""
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The sampling distribution (rows, V) float32: ``softmax(logits / T)`` with top-k / top-p's dropped
+        tokens at 0."""
         x = logits.float() / self.temperature
         if 0 < self.top_k < x.shape[-1]:
             kth = torch.topk(x, self.top_k, dim=-1).values[:, -1:]
@@ -113,14 +112,18 @@ class _SeededSampling(LogitsProcessor):
             drop = sorted_x.softmax(-1).cumsum(-1) <= 1 - self.top_p
             drop[:, -1] = False
             x = x.masked_fill(drop.scatter(1, order, drop), float("-inf"))
-        return x.double() + self._gumbel(x.shape[-1], x.device)
+        return x.softmax(-1)
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """This step's tokens (rows,) for raw ``logits`` (rows, V)."""
-        return self.scores(logits).argmax(-1)
+        cdf = self.probs(logits).cumsum(-1, dtype=torch.float64)
+        u = self._uniform().to(cdf.device)[:, None] * cdf[:, -1:]  # the total is 1 up to float32 rounding
+        # the first token whose cumulative mass passes u: a dropped token (no mass) is never the first
+        return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=cdf.shape[-1] - 1)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        return self.scores(scores)  # generate (greedy) takes the argmax: the draw
+        drawn = self.pick(scores)  # generate (greedy) takes the argmax: the draw
+        return torch.full_like(scores, float("-inf")).scatter_(1, drawn[:, None], 0.0)
 
 
 class _Scripted(LogitsProcessor):
