@@ -195,6 +195,7 @@ def run_episodes(engine: Any, agent: Agent, prompts: list[str] | list[list[int]]
         return RolloutBatch.empty(engine.pad_token_id, skipped)
     stops = tuple(cfg.stop_token_ids) + ((fmt.end_of_turn,) if fmt.end_of_turn is not None else ())
     t_gen = t_tools = 0.0
+    run = object()  # an episode's keys and values are kept between its turns under (run, id(episode))
     for turn in range(limits.max_turns):
         active = [e for e in episodes if e.reason is None]
         if not active:
@@ -202,8 +203,11 @@ def run_episodes(engine: Any, agent: Agent, prompts: list[str] | list[list[int]]
         room = max(R - len(e.response) for e in active)
         turn_cfg = cfg.with_overrides(n=1, max_new_tokens=min(cfg.max_new_tokens, room), stop_token_ids=stops)
         tg = time.perf_counter()
-        out_ids, out_lp, out_why = engine.generate_ids([e.prompt + e.response for e in active], turn_cfg,
-                                                        [turn_seed(e.seed, e.sample, turn) for e in active])
+        # each turn prefills only what came since the episode's last one (the tool's reply): a turn's prefix
+        # begins with the tokens the last turn fed, so an engine that keeps them (HFEngine) reuses them
+        out_ids, out_lp, out_why, _ = engine.continue_ids(
+            [e.prompt + e.response for e in active], turn_cfg, [turn_seed(e.seed, e.sample, turn) for e in active],
+            [(run, id(e)) for e in active], room=[R - len(e.response) for e in active], keep_ended=True)
         t_gen += time.perf_counter() - tg
         replies: list[tuple[_Episode, list[dict[str, Any]]]] = []  # the messages each episode gets back
         calling: list[tuple[_Episode, list]] = []
@@ -257,6 +261,7 @@ def run_episodes(engine: Any, agent: Agent, prompts: list[str] | list[list[int]]
                 continue
             e.add(glue, None)
             e.messages.extend(msgs)
+    engine.forget([(run, id(e)) for e in episodes])
     t1 = time.perf_counter()
     batch = assemble([e.prompt for e in episodes], [e.prompt_index for e in episodes], [e.response for e in episodes],
                      [e.logprobs for e in episodes], [e.reason or "max_turns" for e in episodes],

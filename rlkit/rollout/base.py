@@ -281,14 +281,20 @@ class RolloutEngine(ABC):
         each turn's continuation."""
 
     def continue_ids(self, prefixes: list[list[int]], cfg: Rollout, seeds: list[int], keys: list[Any],
-                     room: list[int] | None = None, stale_kv: bool = False
+                     room: list[int] | None = None, stale_kv: bool = False, keep_ended: bool = False
                      ) -> tuple[list[list[int]], list[list[float]], list[str], list[int]]:
-        """Streaming (``rlkit.stream``): one continuation (``cfg.n == 1``) of each token-id prefix, as
-        ``generate_ids``, and per prefix how many of its tokens were not prefilled again. ``keys[i]`` names
-        prefix i's sample across calls and ``room[i]`` the tokens it may still take, so an engine may keep
-        its keys and values between chunks (``HFEngine`` does: while the weights stay, or across loads with
-        ``stale_kv``); by default each prefix is prefilled again."""
+        """Streaming's chunks (``rlkit.stream``) and multi-turn episodes' turns (``rlkit.agent``): one
+        continuation (``cfg.n == 1``) of each token-id prefix, as ``generate_ids``, and per prefix how many of
+        its tokens were not prefilled again. ``keys[i]`` names prefix i's sample across calls and ``room[i]``
+        the tokens it may still take, so an engine may keep its keys and values between calls (``HFEngine``
+        does: while the weights stay, or across loads with ``stale_kv``; with ``keep_ended`` also for samples
+        that stopped, whose turn ended); by default each prefix is prefilled again."""
         return (*self.generate_ids(prefixes, cfg, seeds), [0] * len(prefixes))
+
+    def forget(self, keys: Iterable[Any]) -> None:
+        """Drop what ``continue_ids`` kept for ``keys`` (samples that will not be continued); this default
+        keeps nothing to drop."""
+        return None
 
     @abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:

@@ -145,8 +145,13 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float,
            eager: bool) -> torch.Tensor:
     """Attention of ``q`` (B, H, T, d) over ``k, v`` (B, H, S, d); ``bias`` (B, 1, T or 1, S) is 0 where a key
-    is seen, -inf where not (what SDPA makes of a boolean mask). Computed the way the model's own
-    implementation does it (eager: float32 softmax; else SDPA)."""
+    is seen, -inf where not (what SDPA makes of a boolean mask). Computed the way HF's eager implementation
+    does it (float32 softmax), or with SDPA when ``eager`` is False.
+
+    The decode loop passes ``eager=True`` for its one-token steps whatever the model's implementation: a
+    handful of queries over the cache cost SDPA's CPU kernel twice the two small matmuls (490 against 230 us a
+    layer at 32 rows, bf16, one thread), and the result is the eager math the trainer's forward recomputes
+    (rlkit.parallel runs HF's eager attention)."""
     if not eager:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     scores = torch.matmul(q, k.transpose(2, 3)) * scale + bias
@@ -202,7 +207,7 @@ class _Step:
             k, v = k_cache[:, :, :end], v_cache[:, :, :end]
             if T > 1 and self.groups > 1:
                 k, v = k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)
-            o = attend(q, k, v, bias, self.scale, self.eager)
+            o = attend(q, k, v, bias, self.scale, self.eager or T == 1)  # one token: eager math (see attend)
             o = o.reshape(B, 1, -1) if T == 1 else o.transpose(1, 2).reshape(B, T, -1)
             x = x + F.linear(o, *w.o)
             h = rms_norm(x, *w.ln2)
@@ -321,8 +326,8 @@ def decode_continued(model: nn.Module, prefixes: list[list[int]], past: list[KV 
     """``decode`` of token-id ``prefixes`` that reuses their keys and values from an earlier call (streaming:
     a sample continued chunk after chunk under the same weights prefills nothing again).
 
-    ``past[i]``: prefix i's keys and values over all its tokens but the last (what the previous call returned
-    for it), or None (prefilled here). Returns the new tokens (B, T) and log-probs (B, T), as ``decode``, and
+    ``past[i]``: the keys and values of prefix i's first tokens (all but the last at most: what the previous
+    call returned for it, or that plus tokens added since, such as a tool's reply), or None (prefilled here). Returns the new tokens (B, T) and log-probs (B, T), as ``decode``, and
     per row the keys and values of every token it fed: the prefix and the new tokens but the last, so the
     next call's prefix (this one plus the new tokens) has ``past`` over all but its last token.
 
@@ -354,23 +359,32 @@ def decode_continued(model: nn.Module, prefixes: list[list[int]], past: list[KV 
     ids, mask = ids.to(device), mask.to(device)
     positions, valid = positions_and_keys(mask, max_new_tokens)
     step = _Step(model, B, W + 1 + max_new_tokens, valid, positions, alloc=torch.zeros)
-    for i, kv in enumerate(past):  # the reused history, right-aligned at slots W - (len - 1) .. W - 1
+    have = [0 if kv is None else kv[0][0].shape[1] for kv in past]  # history tokens whose keys are kept
+    for i, kv in enumerate(past):  # the kept history, right-aligned from slot W - (len - 1)
         if kv is not None:
-            if kv[0][0].shape[1] != lengths[i] - 1:
-                raise ValueError(f"decode_continued: past of row {i} holds {kv[0][0].shape[1]} tokens; its prefix "
-                                 f"has {lengths[i]} (past must cover all but the last)")
+            if have[i] > lengths[i] - 1:
+                raise ValueError(f"decode_continued: past of row {i} holds {have[i]} tokens; its prefix has "
+                                 f"{lengths[i]} (past covers at most all but the last)")
+            at = W - (lengths[i] - 1)
             for (k_cache, v_cache), (k, v) in zip(step.cache, kv):
-                k_cache[i, :, W - k.shape[1]:W], v_cache[i, :, W - v.shape[1]:W] = k, v
-    fresh = [i for i, kv in enumerate(past) if kv is None and lengths[i] > 1]
-    if fresh:  # their history prefilled in a batch of their own, over its last T slots (causal, padding hidden)
-        T = max(lengths[i] for i in fresh) - 1
-        rows = torch.tensor(fresh, device=device)
-        sub = _Step(model, len(fresh), W + 1 + max_new_tokens, valid[rows], positions[rows], alloc=torch.zeros)
+                k_cache[i, :, at:at + have[i]], v_cache[i, :, at:at + have[i]] = k, v
+    gap = [i for i in range(B) if have[i] < lengths[i] - 1]  # rows with history tokens to prefill
+    if gap:  # their history's last T slots prefilled in a batch of their own (causal, padding hidden) over what
+        # is kept; a row whose prefill starts later recomputes a few kept slots (equal to float rounding)
+        T = max(lengths[i] - 1 - have[i] for i in gap)
+        # rows with the same history and nothing kept (n samples of one prompt) are prefilled once
+        alike = torch.tensor([[-1 if have[i] == 0 else i] for i in gap], device=device)
+        first, copies = distinct_rows(torch.cat([ids[gap], mask[gap], alike], 1))
+        rows = torch.tensor(gap, device=device)[first]
+        sub = _Step(model, len(rows), W + 1 + max_new_tokens, valid[rows], positions[rows], alloc=torch.zeros)
+        for (k_cache, v_cache), (k_sub, v_sub) in zip(step.cache, sub.cache):
+            k_sub[:, :, :W - T], v_sub[:, :, :W - T] = k_cache[rows, :, :W - T], v_cache[rows, :, :W - T]
         seen = valid[rows][:, None, :W] & torch.ones(T, W, dtype=torch.bool, device=device).tril(W - T)
         seen |= _diagonal(T, W, device)
         sub(ids[rows, W - T:W], W - T, key_bias(seen[:, None], sub.embed.dtype))
+        into = torch.tensor(gap, device=device)
         for (k_cache, v_cache), (k_sub, v_sub) in zip(step.cache, sub.cache):
-            k_cache[rows, :, W - T:W], v_cache[rows, :, W - T:W] = k_sub[:, :, W - T:W], v_sub[:, :, W - T:W]
+            k_cache[into, :, W - T:W], v_cache[into, :, W - T:W] = k_sub[copies, :, W - T:W], v_sub[copies, :, W - T:W]
     logits = step(ids[:, W:], W, step.bias[..., :W + 1])  # every row's last prefix token
     new, logprobs = _sample(step, logits, W + 1, max_new_tokens, pick, end_ids, pad_id, stop, temperature)
     fed = W + new.shape[1]  # slots written: the history, the last prefix token and the new tokens but the last

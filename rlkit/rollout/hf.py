@@ -194,18 +194,21 @@ def eval_mode(model: torch.nn.Module):
 
 
 class KVStore:
-    """Streaming's running samples' keys and values between chunks (``HFEngine.continue_ids``), by sample key,
-    each tagged with the weights it was computed under (``gen``, counted by ``new_weights``).
+    """Running samples' keys and values between calls (``HFEngine.continue_ids``: streaming's chunks, a
+    multi-turn episode's turns), by sample key, each with the tokens it covers and tagged with the weights it
+    was computed under (``gen``, counted by ``new_weights``).
 
-    ``take`` hands an entry out (and forgets it) when it covers the asked length and, unless ``keep_on_load``,
-    comes from the current weights; ``put`` keeps one, dropping the oldest entries past ``limit_bytes``.
+    ``take`` hands an entry out (and forgets it) when its tokens begin the asked ones and, unless
+    ``keep_on_load``, it comes from the current weights; ``put`` keeps one, dropping the oldest entries past
+    ``limit_bytes``.
 
     >>> store = KVStore(limit_bytes=10_000)
     >>> kv = [(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4))]        # one layer, 3 tokens: 192 bytes
-    >>> store.put("a", kv); store.take("a", 3) is kv, store.take("a", 3)
+    >>> store.put("a", kv, [5, 6, 7]); store.take("a", [5, 6, 7, 8]) is kv, store.take("a", [5, 6, 7])
     (True, None)
-    >>> store.put("a", kv); store.new_weights(); store.take("a", 3)  # computed under older weights
-    >>> store.keep_on_load = True; store.put("a", kv); store.new_weights(); store.take("a", 3) is kv
+    >>> store.put("a", kv, [5, 6, 7]); store.take("a", [5, 6, 9, 8])  # other tokens: not these keys
+    >>> store.put("a", kv, [5, 6, 7]); store.new_weights(); store.take("a", [5, 6, 7])  # older weights
+    >>> store.keep_on_load = True; store.put("a", kv, [5, 6, 7]); store.new_weights(); store.take("a", [5, 6, 7]) is kv
     True
     >>> store.reused, store.stale_reused
     (6, 3)
@@ -213,29 +216,32 @@ class KVStore:
 
     def __init__(self, limit_bytes: int = 2**30):
         self.limit_bytes = limit_bytes
-        self.entries: dict[Any, tuple[int, KV, int]] = {}  # key -> (gen, keys and values per layer, bytes)
+        self.entries: dict[Any, tuple[int, KV, list[int], int]] = {}  # key -> (gen, keys and values, tokens, bytes)
         self.gen = 0                # weight loads so far
         self.keep_on_load = False   # new weights keep the entries (stale keys and values allowed)
         self.nbytes = 0
         self.reused = 0             # prefix tokens handed out (not prefilled again), over the store's life
         self.stale_reused = 0       # of those, computed under older weights
 
-    def take(self, key: Any, length: int) -> KV | None:
-        gen, kv, nbytes = self.entries.pop(key, (None, None, 0))
+    def take(self, key: Any, tokens: list[int] | None) -> KV | None:
+        """The entry of ``key`` if its tokens are the first of ``tokens`` (``None``: only forget it)."""
+        gen, kv, covered, nbytes = self.entries.pop(key, (None, None, [], 0))
         self.nbytes -= nbytes
-        if kv is None or kv[0][0].shape[1] != length or (gen != self.gen and not self.keep_on_load):
+        if kv is None or tokens is None or tokens[:len(covered)] != covered or \
+                (gen != self.gen and not self.keep_on_load):
             return None
-        self.reused += length
-        self.stale_reused += length if gen != self.gen else 0
+        self.reused += len(covered)
+        self.stale_reused += len(covered) if gen != self.gen else 0
         return kv
 
-    def put(self, key: Any, kv: KV) -> None:
-        self.take(key, -1)  # an older entry of this key
+    def put(self, key: Any, kv: KV, tokens: list[int]) -> None:
+        """Keep ``kv``, the keys and values of ``tokens``, under ``key``."""
+        self.take(key, None)  # an older entry of this key
         nbytes = sum(k.nbytes + v.nbytes for k, v in kv)
-        self.entries[key] = (self.gen, kv, nbytes)
+        self.entries[key] = (self.gen, kv, list(tokens), nbytes)
         self.nbytes += nbytes
         while self.nbytes > self.limit_bytes and len(self.entries) > 1:
-            self.take(next(iter(self.entries)), -1)
+            self.take(next(iter(self.entries)), None)
 
     def new_weights(self) -> None:
         self.gen += 1
@@ -299,21 +305,28 @@ class HFEngine(RolloutEngine):
         with eval_mode(self.model):
             return self._generate_chunks(prompts, cfg, seeds)
 
-    def continue_ids(self, prefixes, cfg, seeds, keys, room=None, stale_kv=False):
+    def continue_ids(self, prefixes, cfg, seeds, keys, room=None, stale_kv=False, keep_ended=False):
         """``generate_ids`` of one sample per prefix that keeps each sample's keys and values (``self.kv``) under
-        ``keys[i]`` between calls (the lean loop only): a prefix that extends its key's last call by that call's
-        tokens prefills nothing again. A sample that stops, or whose new tokens reach ``room[i]`` (what it may
-        still take), is dropped from the store. The store empties when weights load, unless this call had
-        ``stale_kv=True``: then a sample goes on over keys and values of older weights (PipelineRL's in-flight
-        updates); its tokens' log-probs are still the ones this engine sampled them with."""
+        ``keys[i]`` between calls (the lean loop only): a prefix that begins with the tokens its key's last call
+        covered (that call's prefix and new tokens) prefills only the rest. A sample that stops (unless
+        ``keep_ended``: a multi-turn episode's turn, continued after the tool's reply), or whose new tokens
+        reach ``room[i]`` (what it may still take), is dropped from the store. The store empties when weights
+        load, unless this call had ``stale_kv=True``: then a sample goes on over keys and values of older
+        weights (PipelineRL's in-flight updates); its tokens' log-probs are still the ones this engine sampled
+        them with."""
         if cfg.n != 1:
             raise RolloutError(f"continue_ids samples one continuation per prefix (n=1), got n={cfg.n}")
         self.kv.keep_on_load = stale_kv
         self._reused = [0] * len(prefixes)
         with eval_mode(self.model):
-            return (*self._generate_chunks(prefixes, cfg, seeds, keys, room), self._reused)
+            return (*self._generate_chunks(prefixes, cfg, seeds, keys, room, keep_ended), self._reused)
 
-    def _generate_chunks(self, prompts, cfg, seeds, keys=None, room=None):
+    def forget(self, keys: Iterable[Any]) -> None:
+        """Drop the kept keys and values of ``keys`` (samples that will not be continued)."""
+        for key in keys:
+            self.kv.take(key, None)
+
+    def _generate_chunks(self, prompts, cfg, seeds, keys=None, room=None, keep_ended=False):
         temp = cfg.temperature if cfg.temperature > 0 else 1.0
         ends = set(([] if cfg.ignore_eos else self.eos_ids) + list(cfg.stop_token_ids))
         # each prompt repeated n times, adjacent (what num_return_sequences does, but greedy allows it too)
@@ -339,8 +352,8 @@ class HFEngine(RolloutEngine):
                 if keys is None or self._lean(ids, cfg) is not None:
                     new, lp, routing = self._decode(ids, mask, cfg, sampler, temp)
                 else:
-                    past = [self.kv.take(key, len(p) - 1) for p, key in zip(rows[start:start + chunk],
-                                                                             keys[start:start + chunk])]
+                    past = [self.kv.take(key, p[:-1]) for p, key in zip(rows[start:start + chunk],
+                                                                         keys[start:start + chunk])]
                     self._reused[start:start + chunk] = [0 if kv is None else kv[0][0].shape[1] for kv in past]
                     self.last_decode = "lean"
                     new, lp, kv = decode_continued(self.model, rows[start:start + chunk], past, cfg.max_new_tokens,
@@ -358,8 +371,10 @@ class HFEngine(RolloutEngine):
                     reasons.append(reason)
                     if cfg.record_routing:  # the prompt's and the kept tokens' choices (the last token's: none)
                         self.last_routing.append(routing[r][:len(rows[start + r]) + end])
-                    if kv is not None and reason == "length" and (room is None or end < room[start + r]):
-                        self.kv.put(keys[start + r], kv[r])  # it goes on next chunk
+                    if kv is not None and (reason == "length" or keep_ended) and \
+                            (room is None or end < room[start + r]):  # it goes on next call: keep what it fed
+                        fed = rows[start + r] + row[:end - 1]
+                        self.kv.put(keys[start + r], [(k[:, :len(fed)], v[:, :len(fed)]) for k, v in kv[r]], fed)
         return responses, logprobs, reasons
 
     def _lean(self, ids: torch.Tensor, cfg: Rollout) -> str | None:
