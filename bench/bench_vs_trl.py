@@ -296,7 +296,7 @@ RLKIT_WORKER = [
     ("start-up: imports", ["_find_and_load"]),
     ("start-up: model + engine load", ["RLWorker.__init__", "setup (rlkit/workers/group.py"]),
     ("sync weights", ["sync_weights"]),
-    ("generate: rlkit sampler (Gumbel, per-row RNG)", ["_SeededSampling"]),
+    ("generate: rlkit sampler (inverse transform, per-row RNG)", ["_SeededSampling"]),
     ("generate: HF generate (model forward, cache, HF sampling loop)", ["transformers/generation"]),
     ("generate: rlkit log-probs, trimming, decode", ["generate_batch", "generate (rlkit/rollout"]),
     ("update: backward", ["backward (torch", "_engine_run_backward"]),
