@@ -314,8 +314,9 @@ def test_notebook_01_in_chromium(lab, page):
     timings.update(_open_and_run_all(page, lab, NOTEBOOK))
 
     # the rank grid: the `plan` cell and the `view = plan.show(...)` cell each draw one button per rank
-    _wait(page, f"(() => {BUTTONS_PER_CELL}.filter(n => n > 0).length >= 2)()",
-          "both PlanView rank grids to render", 60, lab)
+    # (a grid's buttons arrive in batches: wait for both to hold all of them, then check the counts exactly)
+    _wait(page, f"(() => {BUTTONS_PER_CELL}.filter(n => n >= {RANKS}).length >= 2)()",
+          f"both PlanView rank grids to render their {RANKS} buttons", 60, lab)
     grids = [n for n in page.evaluate(BUTTONS_PER_CELL) if n]
     assert grids == [RANKS, RANKS], f"buttons per PlanView output: {grids}, expected two grids of {RANKS}"
     first_grid = page.locator(".jp-CodeCell").filter(has=page.locator(".widget-button")).first

@@ -3,6 +3,8 @@ through the Trainer on one rank: the HF engine generates, the actor's log-probs 
 forward's, GRPO steps move the experts and the router, and ``save_pretrained`` writes a folder transformers
 loads with those weights. Expert parallelism is issue 42's next step; this is the model it starts from."""
 
+import zlib
+
 import torch
 from _logprob_ref import layout_logprobs
 from transformers import AutoModelForCausalLM
@@ -13,11 +15,17 @@ from rlkit.models import tiny_lm
 torch.set_num_threads(1)
 
 
+def by_text(prompts, completions, **kw):
+    """A reward the test controls: different completions score differently, whatever the model samples (the
+    task's own reward can give a group equal scores, and GRPO's advantages would then all be 0)."""
+    return [zlib.crc32(c.encode()) % 97 / 97 for c in completions]
+
+
 def test_the_tiny_moe_trains_through_the_trainer_and_saves_a_loadable_folder(tmp_path):
     path = tiny_lm("qwen3_moe", size="test")
     start = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert type(start.model.layers[0].mlp).__name__ == "Qwen3MoeSparseMoeBlock"
-    with rlkit.Trainer(model=path, dataset=rlkit.tasks.repeat, algorithm="grpo",
+    with rlkit.Trainer(model=path, dataset=rlkit.tasks.repeat, reward=by_text, algorithm="grpo",
                        rollout=rlkit.Rollout(engine="hf", n=4, max_new_tokens=6), prompts_per_step=2, lr=1e-2,
                        seed=0, epochs=2, run_dir=str(tmp_path / "run")) as tr:
         batch = tr.estimate(tr.generate())

@@ -93,11 +93,11 @@ def test_the_engine_records_the_experts_its_model_chose(moe_path):
     assert checked > 100
 
 
-def _trainer(tmp_path, path, plan=None, replay=True, **kw):
+def _trainer(tmp_path, path, plan=None, replay=True, lr=1e-3, **kw):
     return rlkit.Trainer(model=path, dataset=rlkit.tasks.repeat, algorithm="grpo", plan=plan or rlkit.ParallelPlan(),
                          rollout=rlkit.Rollout(engine="hf", n=4, max_new_tokens=16, dtype="bfloat16",
                                                record_routing=True),
-                         prompts_per_step=4, lr=1e-3, epochs=2, seed=0, routing_replay=replay, run_dir=str(tmp_path / "run"), **kw)
+                         prompts_per_step=4, lr=lr, epochs=2, seed=0, routing_replay=replay, run_dir=str(tmp_path / "run"), **kw)
 
 
 @pytest.mark.parametrize("plan", [None, rlkit.ParallelPlan(dp=2, ep=2), rlkit.ParallelPlan(pp=2)],
@@ -141,7 +141,8 @@ def test_routing_is_compared_without_replay(tmp_path, moe_path):
 def test_replay_through_one_step_off_async(tmp_path, moe_path):
     """Split placement with one step off policy: the rollout workers' engine records, the actor replays the
     recorded routing of the batch sampled a version earlier (flips now include the version's drift)."""
-    with _trainer(tmp_path, moe_path, placement="split", off_policy_steps=1, offpolicy_correction="tis") as tr:
+    # lr 1e-4: a version's drift moves few routes (at 1e-3 it flipped about half of them on some samples)
+    with _trainer(tmp_path, moe_path, placement="split", off_policy_steps=1, offpolicy_correction="tis", lr=1e-4) as tr:
         df = tr.fit(steps=2, view="none")
     assert df["router/flip_rate"].notna().all() and (df["router/flip_rate"] < 0.5).all(), df["router/flip_rate"]
     assert df["offpolicy/staleness_max"].tolist()[-1] == 1
