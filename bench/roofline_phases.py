@@ -19,7 +19,10 @@ computes a head per new token).
 
 The floor of a phase is the least time this machine can take for it: its FLOPs at the bf16 (or fp32) matmul
 peak, or its bytes at the copy bandwidth, whichever is longer. Both roofs are measured in this run
-(``bench/roofline.py``'s tables) at the same thread count. "of roofline" is floor / measured.
+(``bench/roofline.py``'s tables) at the same thread count. "of roofline" is floor / measured. "planner floor"
+is the planner's generation model (``rlkit.plan.throughput.estimate_generation``) on the same roofs at full
+efficiency (``mfu=1``, ``bw_efficiency=1``): decode steps only, each the larger of its bytes (weights and the
+KV cache) and its FLOPs; prefill is not in it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from roofline import matmul_table, memory_table  # noqa: E402
 
 import rlkit  # noqa: E402
 from rlkit.plan import ModelSpec  # noqa: E402
+from rlkit.plan.throughput import estimate_generation  # noqa: E402
 
 ADAMW_BYTES = 28  # per parameter and optimizer step: fp32 weight, grad, m, v read; weight, m, v written
 
@@ -82,6 +86,10 @@ def main() -> None:
                 "generate": ((fwd + head) * (prompt_tokens / n + new_tokens), decode_steps * weight_bytes),
                 "old_logprobs": (once, 0.0),
                 "update": (3 * once * a.epochs, ADAMW_BYTES * spec.num_params * a.epochs)}
+            # the planner's generation model on this machine's roofs at full efficiency: its decode steps only
+            planner = estimate_generation(spec, gpu={"bf16_flops": roof, "hbm_bw": bandwidth}, batch=len(s),
+                                          prompt_len=round(prompt_tokens / len(s)), response_len=decode_steps,
+                                          dtype_bytes=weight_bytes // spec.num_params, bw_efficiency=1.0, mfu=1.0)
             for phase, (flops, nbytes) in work.items():
                 if not t.get(phase):
                     continue
@@ -89,7 +97,9 @@ def main() -> None:
                 floor = max(flops / roof, nbytes / bandwidth) if phase == "generate" else \
                     flops / roof + nbytes / bandwidth
                 rows.append({"phase": phase, "seconds": t[phase], "GFLOP": flops / 1e9, "GB": nbytes / 1e9,
-                             "GFLOP/s": flops / t[phase] / 1e9, "floor s": floor, "of roofline": floor / t[phase]})
+                             "GFLOP/s": flops / t[phase] / 1e9, "floor s": floor, "of roofline": floor / t[phase],
+                             "planner floor s": planner["seconds_per_rollout_batch"] if phase == "generate"
+                             else float("nan")})
     df = pd.DataFrame(rows)
     print(f"roof: {roof / 1e9:.0f} GFLOP/s ({a.precision}), {bandwidth / 1e9:.1f} GB/s; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, epochs {a.epochs}")
