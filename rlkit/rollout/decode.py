@@ -376,7 +376,7 @@ def decode_continued(model: nn.Module, prefixes: list[list[int]], past: list[KV 
         alike = torch.tensor([[-1 if have[i] == 0 else i] for i in gap], device=device)
         first, copies = distinct_rows(torch.cat([ids[gap], mask[gap], alike], 1))
         rows = torch.tensor(gap, device=device)[first]
-        sub = _Step(model, len(rows), W + 1 + max_new_tokens, valid[rows], positions[rows], alloc=torch.zeros)
+        sub = _Step(model, len(rows), W, valid[rows, :W], positions[rows, :W], alloc=torch.zeros)  # history slots only
         for (k_cache, v_cache), (k_sub, v_sub) in zip(step.cache, sub.cache):
             k_sub[:, :, :W - T], v_sub[:, :, :W - T] = k_cache[rows, :, :W - T], v_cache[rows, :, :W - T]
         seen = valid[rows][:, None, :W] & torch.ones(T, W, dtype=torch.bool, device=device).tril(W - T)
