@@ -285,6 +285,27 @@ def verified_state(path: str | os.PathLike) -> tuple[dict[str, Any], Any]:
     return state, plan
 
 
+def load_plan(path: str | os.PathLike, state: dict[str, Any], saved: Any, plan: Any) -> Any:
+    """The plan ``Trainer.load`` builds its workers with: ``saved`` (trainer.json's) unless ``plan`` is given.
+    Another layout than the saved one is resharded on load (``ParallelModel.load``), which the torch
+    backend's files allow and Megatron-Core's and DeepSpeed's (their own formats) do not: refused here."""
+    from rlkit.plan.topology import ParallelPlan
+
+    if plan is None:
+        return saved
+    if not isinstance(plan, ParallelPlan):
+        raise CheckpointError(f"Trainer.load(..., plan={plan!r}): plan must be an rlkit.ParallelPlan, e.g. "
+                              f"plan=rlkit.ParallelPlan(tp=2)")
+    backend = (state.get("config") or {}).get("backend") or "torch"
+    name = backend.get("name") if isinstance(backend, dict) else backend
+    if name != "torch" and plan.layout() != saved.layout():
+        raise CheckpointError(f"{Path(path) / 'trainer.json'} was saved by the {name} backend under "
+                              f"{saved.describe()}; its files are {name}'s own format, which rlkit reshards only "
+                              f"for the torch backend: load it under the same plan (leave plan= out), or save "
+                              f"from a run with backend='torch'")
+    return plan
+
+
 def damage_report(folder: str | os.PathLike, error: BaseException) -> CheckpointError:
     """A ``CheckpointError`` for ``error`` raised while a rank read the shard folder ``folder`` (torch's
     ``CheckpointException``, an ``OSError``): the damaged file when ``check_shards`` finds one, else the

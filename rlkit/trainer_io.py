@@ -91,10 +91,18 @@ class TrainerIO:
     @classmethod
     def load(cls, path: str | os.PathLike, dataset: Any, reward: Any = None, cluster: Any = None,
              callbacks: Sequence[Callable] = (), tools: Sequence[Callable] | None = None, environment: Any = None,
-             sampler: Any = None, **overrides: Any) -> Self:
+             sampler: Any = None, plan: ParallelPlan | None = None, **overrides: Any) -> Self:
         """Resume from ``save``: same model, plan, rollout and config; pass the same dataset and reward (and for
         a multi-turn run the same ``tools`` / ``environment``: functions are not saved, the episode bounds are; and a
         ``sampler`` of the same class, whose state the checkpoint restores).
+
+        ``plan``: go on under another layout than the one that saved (dp=2 -> tp=2, tp=2 x pp=2 -> dp=4, FSDP ->
+        one rank). torch.distributed.checkpoint reshards the weights and the optimizer state onto it by their
+        HF names; the step, metrics, sampler and rollout state are the run's. Each rank's RNG is restored only
+        under the saving layout (another layout's ranks have no saved stream). The torch backend only:
+        Megatron-Core's and DeepSpeed's checkpoints load into the plan that wrote them.
+
+        >>> resumed = Trainer.load("runs/ckpt", dataset=data, plan=rlkit.ParallelPlan(tp=2))  # doctest: +SKIP
 
         The checkpoint is checked in the driver before workers start (``rlkit.checkpoint``): a missing or
         damaged file, another model's checkpoint or a newer rlkit's is a ``CheckpointError`` naming the file
@@ -103,7 +111,8 @@ class TrainerIO:
         from rlkit.errors import WorkerError
 
         path = Path(path).expanduser().absolute()
-        state, plan = checkpoint.verified_state(path)  # every check the driver can make, before any worker
+        state, saved_plan = checkpoint.verified_state(path)  # every check the driver can make, before any worker
+        plan = checkpoint.load_plan(path, state, saved_plan, plan)
         config = TrainerConfig(**{**state["config"], **overrides})
         saved_sampler = state.get("sampler") or {"kind": "EpochSampler", "state": {}, "chosen": {}}
         given = type(sampler).__name__ if sampler is not None else "EpochSampler"

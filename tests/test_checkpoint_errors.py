@@ -77,7 +77,8 @@ def test_save_records_format_version_and_model_config(saved):
     config = json.loads((saved["a"] / "model_config.json").read_text())
     assert (config["model_type"], config["hidden_size"], config["num_hidden_layers"]) == ("qwen2", 64, 4)
     names = sorted(p.name for p in (saved["a"] / "actor").iterdir())
-    assert names == [".metadata", "__0_0.distcp", "extra_rank0.pt"]
+    assert names == [".metadata", "__0_0.distcp", "extra_rank0.pt", "layout.json"]
+    assert json.loads((saved["a"] / "actor" / "layout.json").read_text())["world_size"] == 1  # the saving plan
 
 
 def test_load_restores_the_weights_and_never_writes_into_the_checkpoint(saved, tmp_path):
@@ -268,7 +269,7 @@ def test_a_dp2_checkpoint_on_ray_workers(tmp_path, ray_cluster):
     finally:
         tr.close()
     assert sorted(p.name for p in (ckpt / "actor").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
-                                                                  "extra_rank0.pt", "extra_rank1.pt"]
+                                                                  "extra_rank0.pt", "extra_rank1.pt", "layout.json"]
     gone = tmp_path / "gone" / "ckpt"
     shutil.copytree(ckpt, gone)
     (gone / "actor" / "extra_rank1.pt").unlink()

@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                    help="comma-separated target modules (with --lora)")
     p.add_argument("--ckpt", default=None, help="folder for a save -> load -> continue check")
+    p.add_argument("--reshard-from", default=None,
+                   help="a --ckpt run's step1 folder written by another plan: load it into this plan and go on")
     p.add_argument("--json", default=None, help="write the report here (rank 0)")
     p.add_argument("--tol", type=float, default=1e-5)
     p.add_argument("--lr", type=float, default=1e-3,
@@ -108,19 +110,27 @@ def main(argv=None) -> int:
                     print(pd.DataFrame(rep["load"]).to_string(index=False), flush=True)
                 dist.destroy_process_group()
                 return 0
-            rep = run_check(model, plan, steps=args.steps, seq_len=args.seq_len,
-                            micro_batch_size=args.micro_batch_size, head=args.head, ckpt_dir=args.ckpt, lr=args.lr,
-                            fail_rank=args.fail_rank, activation_checkpointing=args.activation_checkpointing,
-                            padding_free=args.padding_free, token_budget=args.token_budget,
-                            lora=_lora_config(args), router_aux_coef=args.router_aux_coef,
-                            router_z_coef=args.router_z_coef)
+            if args.reshard_from:
+                from rlkit.parallel.check import run_reshard_check
+
+                rep = run_reshard_check(model, plan, args.reshard_from, steps=args.steps, seq_len=args.seq_len,
+                                        micro_batch_size=args.micro_batch_size, lr=args.lr)
+            else:
+                rep = run_check(model, plan, steps=args.steps, seq_len=args.seq_len,
+                                micro_batch_size=args.micro_batch_size, head=args.head, ckpt_dir=args.ckpt,
+                                lr=args.lr, fail_rank=args.fail_rank,
+                                activation_checkpointing=args.activation_checkpointing,
+                                padding_free=args.padding_free, token_budget=args.token_budget,
+                                lora=_lora_config(args), router_aux_coef=args.router_aux_coef,
+                                router_z_coef=args.router_z_coef)
     except WorkerError as e:
         # The failing rank prints the whole traceback; the others one line naming it.
         text = str(e) if e.rank == rank else str(e).splitlines()[0]
         print(f"[rank {rank}] WorkerError(rank={e.rank}): {text}", file=sys.stderr, flush=True)
         return 3
     ok = all(rep.get(k, 0.0) <= args.tol for k in ("max_dlogprob", "max_dentropy", "max_dgrad",
-                                                     "max_dweight", "resume_max_dweight", "max_dadapter"))
+                                                     "max_dweight", "resume_max_dweight", "max_dadapter",
+                                                     "reshard_max_dweight_loaded", "reshard_max_dweight"))
     rep["ok"] = ok
     if rank == 0:
         print(format_report(rep), flush=True)

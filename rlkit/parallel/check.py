@@ -308,6 +308,59 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     return report
 
 
+def run_reshard_check(model: Any, plan: ParallelPlan, load_from: str, *, steps: int = 3, seq_len: int = 16,
+                      micro_batch_size: int = 1, lr: float = 1e-3, max_grad_norm: float = 1.0,
+                      seed: int = 0) -> dict[str, Any]:
+    """Load a checkpoint another plan wrote after one step (``run_check(..., ckpt_dir=...)``) into ``plan``,
+    then go on: against the single-process HF model trained on the same batches from the start.
+
+    The reference takes step 1 itself (the saving plan matched it within ``max_dweight``), so the loaded
+    weights (``reshard_max_dweight_loaded``), the next steps' losses (``reshard_loss_rel``) and the weights
+    after them (``reshard_max_dweight``: this checks the resharded AdamW moments and step too, which a
+    fresh optimizer would miss by ~lr) come from the reference, not from the code under test. The two
+    plans must take the same global batch: ``dp * micro_batches * micro_batch_size`` equal on both."""
+    ref = load_hf(model)
+    pm = ParallelModel(model, plan, max_grad_norm=max_grad_norm, seed=seed, lr=lr, weight_decay=0.01, eps=1e-6)
+    ref_params = list(ref.parameters())
+    ref_opt = torch.optim.AdamW(ref_params, lr=lr, weight_decay=0.01, eps=1e-6, foreach=False)
+    n = plan.dp * plan.n_micro_batches * micro_batch_size
+    batches = []
+    for s in range(steps):
+        b = make_batch(n, seq_len, ref.config.vocab_size, seed=seed + s)
+        with torch.no_grad():
+            old = reference_forward(ref, None, b)["logprobs"]
+        b["old_logprobs"] = old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(s))
+        batches.append(b)
+
+    def ref_step(b: dict[str, torch.Tensor]) -> float:
+        chunks = [c for d in split_rows(b, plan.dp) for c in split_rows(d, plan.n_micro_batches)]
+        loss = sum(ppo_loss(reference_forward(ref, None, c), c) for c in chunks) / len(chunks)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref_params, max_grad_norm)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def dweight() -> float:
+        sd = pm.full_state_dict(to=0)
+        if dist.get_rank() != 0:
+            return 0.0
+        return max((sd[k] - v.detach()).abs().max().item() for k, v in ref.named_parameters() if k in sd)
+
+    ref_step(batches[0])
+    pm.load(load_from)
+    report: dict[str, Any] = {"plan": plan.describe(), "world_size": plan.world_size, "reshard_from": load_from,
+                              "reshard_step": pm.step, "reshard_max_dweight_loaded": max_over_ranks(dweight())}
+    losses, ref_losses = [], []
+    for b in batches[1:]:
+        losses.append(pm.train_step(pm.shard_batch(b), ppo_loss)["loss"])
+        ref_losses.append(ref_step(b))
+    report.update(reshard_losses=losses, reshard_ref_losses=ref_losses,
+                  reshard_loss_rel=max(abs(a - r) / max(1.0, abs(r)) for a, r in zip(losses, ref_losses)),
+                  reshard_max_dweight=max_over_ranks(dweight()))
+    return report
+
+
 def _peft_reference(hf: nn.Module, cfg: Any, seed: int) -> nn.Module:
     """``hf`` with peft's own LoRA layers (``inject_adapter_in_model``), holding the adapters rlkit starts
     from (``init_adapters``: an input, like a seed)."""

@@ -19,6 +19,7 @@ accumulation everywhere).
 from __future__ import annotations
 
 import copy
+import json
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -703,7 +704,8 @@ class ParallelModel:
 
     # ---- checkpoint ----------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> str:
-        """Save model + optimizer (sharded, torch.distributed.checkpoint) + step + RNG of every rank.
+        """Save model + optimizer (sharded, torch.distributed.checkpoint) + step + RNG of every rank, and the
+        layout that wrote them (``layout.json``: the plan's degrees), which ``load`` reads to reshard.
 
         Written to a temp folder beside ``path`` and renamed into place (``rlkit.atomic``) once every rank
         finished, so a crash never leaves a half-written ``path`` (multi-node: needs a shared filesystem)."""
@@ -724,12 +726,19 @@ class ParallelModel:
         torch.save({"step": self.step, **rng_state()}, tmp / f"extra_rank{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
+            (tmp / LAYOUT_FILE).write_text(json.dumps(self.plan.layout()))
             atomic.move_into_place(tmp, path)
         dist.barrier()
         return str(path)
 
     def load(self, path: str | os.PathLike) -> None:
-        """Restore what ``save`` wrote (same plan and world size) for an exact resume.
+        """Restore what ``save`` wrote, under this plan or another one.
+
+        Under the plan that saved it, the resume is exact: weights, optimizer state, step and every rank's RNG.
+        Under another plan (``layout.json`` differs: dp=2 -> tp=2, tp=2 x pp=2 -> dp=4, FSDP -> one rank),
+        torch.distributed.checkpoint reshards the weights and the optimizer state by their HF names onto this
+        layout; the step comes from the checkpoint, and the RNG is this rank's own (a rank of another layout
+        has no saved stream to take; rlkit's sampling is seeded per sample, not per rank).
 
         A missing, truncated or foreign file raises ``CheckpointError`` naming it on every rank (torch's
         ``CheckpointException``, a ``BaseException``, never leaves the rank). Reads only."""
@@ -739,7 +748,9 @@ class ParallelModel:
         from rlkit.checkpoint import damage_report
 
         path = Path(path)
-        extra_file = path / f"extra_rank{self.rank}.pt"
+        saved = saved_layout(path)
+        same = saved is None or saved == self.plan.layout()  # no layout.json: written before it, by this plan
+        extra_file = path / f"extra_rank{self.rank if same else 0}.pt"
         try:
             extra, problem = torch.load(extra_file, weights_only=False), None
         except Exception as e:  # missing or cut short; every rank hears of it below (no one left waiting)
@@ -765,7 +776,8 @@ class ParallelModel:
         state["optim"]["param_groups"] = groups
         set_state_dict(root, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.step = extra["step"]
-        restore_rng_state(extra)
+        if same:
+            restore_rng_state(extra)
         dist.barrier()
 
     # ---- memory ------------------------------------------------------------------------------------
@@ -849,6 +861,15 @@ class ParallelModel:
         if self.plan.pipeline_schedule == "interleaved-1f1b":  # chunks of layers/v (Megatron warm-up)
             return min(2 * (pp - r - 1) + (v - 1) * pp + 1, m * v) / v
         return min(m, pp - r)
+
+
+LAYOUT_FILE = "layout.json"  # the saving plan's ParallelPlan.layout()
+
+
+def saved_layout(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The layout a ``ParallelModel.save`` folder was written by (None when it predates ``layout.json``)."""
+    file = Path(path) / LAYOUT_FILE
+    return json.loads(file.read_text()) if file.is_file() else None
 
 
 def _routing(batch: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -398,6 +398,16 @@ class ParallelPlan:
         """A copy with some fields changed (validated again)."""
         return replace(self, **changes)
 
+    def layout(self) -> dict[str, Any]:
+        """The degrees that decide which rank holds which shard (micro-batches and the schedule do not):
+        what a checkpoint records of the plan that wrote it, and what loading compares to reshard.
+
+        >>> ParallelPlan(dp=2, tp=2).layout()["tp"], ParallelPlan(dp=2).layout() == ParallelPlan(dp=2, micro_batches=4).layout()
+        (2, True)
+        """
+        return {"world_size": self.world_size, **{f: getattr(self, f) for f in
+                                                  ("dp", "tp", "pp", "vpp", "ep", "order", "dp_shard", "dp_shard_size")}}
+
     def describe(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
         if self.vpp > 1:
