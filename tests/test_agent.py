@@ -349,24 +349,16 @@ def test_an_environment_steps_rewards_and_its_messages_are_masked(tmp_path):
 
 
 # ---- the layouts rlkit has: each against the one-rank run on the same seed -----------------------------------
-def _expected(tr, dp: int) -> dict:
-    """Step 0's episodes as a lone HF engine samples them, prompt chunk by DP rank with each rank's seed (the
-    layout's convention, ``SequenceLayout.rank_seed``): what every layout must produce."""
-    from rlkit.batch import cat
+def _expected(tr) -> dict:
+    """Step 0's episodes as one lone HF engine samples them for the whole step (each prompt seeded by its place in
+    the step): what every layout must produce."""
     from rlkit.rollout import HFEngine
     from rlkit.workers.layout import generate_batch
 
     engine = HFEngine(tr.model_path, config=tr.rollout)
     rows = tr._prompts_of(0)
-    k = len(rows) // dp
-    parts = []
-    for r in range(dp):
-        chunk = rows[r * k:(r + 1) * k]
-        request = {"prompt": [p["prompt"] for p in chunk], "uid": list(range(r * k, (r + 1) * k)),
-                   "row": [p["_row"] for p in chunk]}
-        parts.append(generate_batch(engine, tr.layout, request, tr.layout.rank_seed(tr.config.seed * 100_003, r),
-                                    agent=tr.agent))
-    return cat(parts)
+    request = {"prompt": [p["prompt"] for p in rows], "uid": list(range(len(rows))), "row": [p["_row"] for p in rows]}
+    return generate_batch(engine, tr.layout, request, tr.config.seed * 100_003, agent=tr.agent)
 
 
 def _same_episodes(gen: dict, want: dict, name: str) -> None:
@@ -391,7 +383,7 @@ def test_dp2_on_ray_the_generation_layout_and_split_placement_match_the_one_rank
     tr = _trainer(tool_model, tmp_path, name, kl_coef=0.0, entropy_coef=0.0, **layouts[name])
     try:
         batch = tr.generate()
-        want = _expected(tr, dp=tr.plan.dp)
+        want = _expected(tr)
         assert all(e["tool_calls"] == 1 for e in want["episode"])
         _same_episodes(batch.samples, want, name)
         same = copy.deepcopy(batch)

@@ -99,9 +99,9 @@ class HybridRollout:
             if sl.stop > sl.start:
                 sub = {k: list(prompts[k])[sl] for k in ("prompt", "uid", "row", "env_row") if k in prompts}
                 self.prompts_generated += sl.stop - sl.start
-                # the replica's seed, and each prompt's place in the replica's chunk: the samples are the
-                # ones a single engine for the whole chunk would draw
-                part = generate_batch(self.engine, layout, sub, seed, first_index=sl.start, agent=agent, **overrides)
+                # each prompt seeded by its place in the step (its uid): the samples are the ones a single
+                # engine for the whole call would draw
+                part = generate_batch(self.engine, layout, sub, seed, agent=agent, **overrides)
         finally:
             self.release()
         # one copy per generation group (its gen_tp == 0 rank) goes to the collector, in group order

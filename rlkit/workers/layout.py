@@ -27,8 +27,6 @@ The engines' samples come out as an ``rlkit.batch.Batch`` (``pack``): ``input_id
 >>> per_token = torch.arange(5.).expand(2, 5)           # a model's per-token output, 5 = P + R columns
 >>> layout.response(per_token)[0].tolist(), layout.values(per_token)[0].tolist()
 ([3.0, 4.0], [2.0, 3.0])
->>> SequenceLayout.rank_seed(11, dp_rank=1)
-7930
 """
 
 from __future__ import annotations
@@ -40,9 +38,6 @@ from typing import Any
 import torch
 
 from rlkit.batch import Batch
-
-# DP ranks' seed stride: a prime, so ranks' streams never coincide for small seeds
-SEED_STRIDE = 7919
 
 
 @dataclass(frozen=True)
@@ -80,11 +75,6 @@ class SequenceLayout:
         ``loss_mask`` of a batch that has one, else its ``response_mask``."""
         mask = batch.get("loss_mask")
         return batch["response_mask"] if mask is None else mask
-
-    @staticmethod
-    def rank_seed(seed: int, dp_rank: int) -> int:
-        """The sampling seed of DP rank ``dp_rank``'s chunk of a call seeded ``seed``."""
-        return seed + SEED_STRIDE * dp_rank
 
     def pack(self, out: Any, prompts: dict[str, Any], pad_token_id: int) -> Batch:
         """Lay an engine's ``RolloutBatch`` out as this layout's batch, with each sample's ``uid`` and
@@ -133,10 +123,11 @@ class SequenceLayout:
 
 
 def generate_batch(engine: Any, layout: SequenceLayout, prompts: dict[str, Any], seed: int, *,
-                   first_index: int = 0, agent: Any = None, prompt_len: int | None = None,
+                   first_index: int | None = None, agent: Any = None, prompt_len: int | None = None,
                    **overrides: Any) -> Batch:
-    """``engine.generate`` for ``prompts["prompt"]`` (seeded per prompt from ``seed``; ``first_index``: where
-    these prompts start in the call they are a slice of), packed by ``layout``, its prompt part widened to
+    """``engine.generate`` for ``prompts["prompt"]`` (seeded per prompt from ``seed`` and its place in the call:
+    ``first_index``, by default the first prompt's ``uid``, its index in the step; so a DP rank's or a generation
+    replica's slice samples what one engine for the whole call would, under any layout), packed by ``layout``, its prompt part widened to
     ``prompt_len`` where that is longer (held-out prompts longer than any training prompt). With an ``agent``
     (``rlkit.agent.episodes.Agent``): its multi-turn episodes instead, the environment reset from
     ``prompts["env_row"]``.
@@ -153,6 +144,8 @@ def generate_batch(engine: Any, layout: SequenceLayout, prompts: dict[str, Any],
     """
     if prompt_len is not None and prompt_len > layout.prompt_len:
         layout = SequenceLayout(prompt_len, layout.response_len)
+    if first_index is None:  # a DP chunk or replica slice is a contiguous run of the call's prompts
+        first_index = int(prompts["uid"][0]) if prompts.get("uid") else 0
     start = time.time()
     if agent is not None:
         from rlkit.agent.episodes import run_episodes
@@ -166,4 +159,4 @@ def generate_batch(engine: Any, layout: SequenceLayout, prompts: dict[str, Any],
     return batch
 
 
-__all__ = ["SEED_STRIDE", "SequenceLayout", "generate_batch"]
+__all__ = ["SequenceLayout", "generate_batch"]

@@ -164,7 +164,6 @@ class RLWorker:
         """n samples per prompt of this DP group's ``prompts`` (``{"prompt", "uid", "row"}`` lists), as a
         batch of the run's ``SequenceLayout``; None off the engine rank (in the generation layout: off the
         replica's collector rank, though every rank generates)."""
-        seed = self.layout.rank_seed(seed, self.dp_rank)
         if self.hybrid is not None:
             return self.hybrid.generate(prompts, seed, self.layout, agent=self.agent, **overrides)
         if self.engine is None:
@@ -331,9 +330,9 @@ class RolloutWorker:
         self.engine = make_engine(rollout, model_path)
 
     def generate(self, prompts: dict[str, Any], seed: int, **overrides: Any) -> Batch:
-        # the layout's seed per DP chunk, as a colocated engine: both placements sample the same responses
-        return generate_batch(self.engine, self.layout, prompts, self.layout.rank_seed(seed, self.dp_rank),
-                              agent=self.agent, **overrides)
+        # each prompt seeded by its place in the step (its uid), as a colocated engine: every placement and
+        # layout samples the same responses
+        return generate_batch(self.engine, self.layout, prompts, seed, agent=self.agent, **overrides)
 
     def continue_samples(self, request: dict[str, list], max_new_tokens: int, stale_kv: bool = False
                          ) -> dict[str, list]:
