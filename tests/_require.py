@@ -1,7 +1,8 @@
 """What a test module needs installed, and whether a missing piece may skip it.
 
 ``make test`` sets ``RLKIT_REQUIRE_BACKENDS=1`` (Megatron-Core and DeepSpeed), ``RLKIT_REQUIRE_BROWSER=1``
-(Chromium) and ``RLKIT_REQUIRE_REAL_MODEL=1`` (the SmolLM2 wheel and gguf), as ``make test-vllm`` sets
+(Chromium), ``RLKIT_REQUIRE_REAL_MODEL=1`` (the SmolLM2 wheel and gguf) and ``RLKIT_REQUIRE_REMOTE=1`` (s3fs and
+moto's S3 server), as ``make test-vllm`` sets
 ``RLKIT_REQUIRE_VLLM=1``: the setup installed them, so a broken install fails the run instead of turning
 into skips that leave it green. Elsewhere (a bare ``pytest`` in a venv without the extras) they skip.
 """
