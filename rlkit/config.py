@@ -83,6 +83,9 @@ class TrainerConfig:
     seed: int = 0
     run_dir: str | None = None           # metrics.jsonl, config.json, plots; None: ./runs/<time>
     timeout_s: float = 600.0             # bound on each worker call
+    checkpoint_every: int = 0            # every N steps, the run's checkpoint (run_dir/checkpoint; 0: off)
+    max_restarts: int = 0                # a lost worker: start the groups again and load that checkpoint, up to N times
+    restart_timeout_s: float = 300.0     # bound on a restart's wait for the cluster to have room for the plan again
     reward_timeout_s: float = 60.0       # bound on each async reward's call (and a Judge's), per batch
     keep_samples: int = 512              # rows kept for samples()
     eval_every: int = 0                  # every N steps, eval/avg@k, pass@k, maj@k on the held-out split (0: off)
@@ -221,6 +224,15 @@ class TrainerConfig:
                 raise TrainerError(f"run_dir={str(self.run_dir)!r} is a file; metrics go in a folder: choose "
                                    f"another path")
         number("timeout_s", self.timeout_s, gt=0, hint="a bound on each worker call, e.g. 600", **err)
+        integer("checkpoint_every", self.checkpoint_every, ge=0,
+                hint="steps between the run's checkpoints (run_dir/checkpoint), e.g. 10; 0 is off", **err)
+        integer("max_restarts", self.max_restarts, ge=0,
+                hint="how often fit may restart lost workers from the last checkpoint, e.g. 3; 0 stops at the first", **err)
+        if self.max_restarts and not self.checkpoint_every:
+            raise TrainerError(f"max_restarts={self.max_restarts}: a restart goes on from the run's last checkpoint, "
+                               f"and checkpoint_every=0 writes none; set checkpoint_every=N (e.g. 10)")
+        number("restart_timeout_s", self.restart_timeout_s, gt=0,
+               hint="seconds a restart waits for the cluster to have room for the plan again, e.g. 300", **err)
         from rlkit import trackers  # the names, and each one's package installed here (rlkit.trackers)
 
         self.report_to = trackers.normalize(self.report_to)

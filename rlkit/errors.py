@@ -24,11 +24,13 @@ class ClusterError(RlkitError, ConnectionError):
 
 
 class WorkerError(RlkitError, RuntimeError):
-    """A remote worker failed; carries its rank, node and the remote traceback."""
+    """A remote worker failed; carries its rank, node and the remote traceback. ``lost``: its process died
+    (killed, out of memory, its node gone), as opposed to an exception it raised; what ``Trainer.fit``
+    recovers from (``TrainerConfig.max_restarts``)."""
 
     def __init__(self, message: str, *, rank: int | None = None, node: str | None = None,
-                 remote_traceback: str | None = None):
-        self.rank, self.node, self.remote_traceback = rank, node, remote_traceback
+                 remote_traceback: str | None = None, lost: bool = False):
+        self.rank, self.node, self.remote_traceback, self.lost = rank, node, remote_traceback, lost
         where = f"rank {rank}" + (f" on node {node}" if node else "") if rank is not None else "a worker"
         full = f"{where} failed: {message}"
         if remote_traceback:

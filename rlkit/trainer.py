@@ -153,6 +153,7 @@ class Trainer(TrainerIO):
         self._stop: StopOnInterrupt | None = None  # fit's Ctrl-C handler while it runs
         self._ahead = AheadQueue()  # asynchronous RL: the generations in flight (rlkit.ahead)
         self._stream = self._new_stream() if self.config.streaming else None  # streaming RL (rlkit.stream)
+        self.restarts: list[dict[str, Any]] = []  # fit's restarts after lost workers (max_restarts)
         self._start_workers()
 
     def _start_workers(self) -> None:
@@ -196,7 +197,14 @@ class Trainer(TrainerIO):
         Ctrl-C (Jupyter's "interrupt kernel") stops at the end of the phase or step it lands in: a step
         whose update has not begun is given up, one that has is finished and logged. The trainer keeps its
         weights, and ``fit`` continues from the step it reached. A second Ctrl-C aborts at once and tears
-        the workers down (the trainer must then be made again, or loaded from a checkpoint)."""
+        the workers down (the trainer must then be made again, or loaded from a checkpoint).
+
+        With ``checkpoint_every=N`` the run's checkpoint (``run_dir/checkpoint``) is written every N steps, and
+        with ``max_restarts=R`` a worker process that dies (killed, out of memory, its node gone) does not end
+        the run: the groups are torn down and started again on what the cluster has (waiting up to
+        ``restart_timeout_s``), the checkpoint is loaded, and the steps after it run again, their first rows
+        replaced (``trainer.restarts`` lists each restart). The R+1-th loss stops the run with the error."""
+        from rlkit.errors import WorkerError
         from rlkit.widgets.live import LiveView
 
         self._live_workers()
@@ -204,11 +212,19 @@ class Trainer(TrainerIO):
         self._open_trackers()
         live = LiveView(steps, mode=view, title=f"{self.algorithm} on {self.plan.describe()}")
         stop = StopOnInterrupt()
+        target = self.step + steps
         try:
             with stop:
                 self._stop = stop
-                for _ in range(steps):
-                    row = self.train_step()
+                while self.step < target:
+                    try:
+                        row = self.train_step()
+                        if row is not None and self.config.checkpoint_every \
+                                and self.step % self.config.checkpoint_every == 0:
+                            self.save(self.checkpoint_path)
+                    except WorkerError as e:
+                        self._restart(e)  # raises when it may not
+                        continue
                     if row is None:  # stopped before this step's update
                         break
                     live.update(row)
@@ -229,6 +245,55 @@ class Trainer(TrainerIO):
             print(f"rlkit: stopped after step {self.step} (Ctrl-C); the trainer keeps its weights: trainer.fit(...) "
                   f"continues from there", file=sys.stderr, flush=True)
         return self.metrics
+
+    @property
+    def checkpoint_path(self) -> Path:
+        """Where ``checkpoint_every`` writes the run's checkpoint, and a restart loads it from."""
+        return self.run_dir / "checkpoint"
+
+    def _restart(self, error: Exception) -> None:
+        """After a lost worker (``error``): the groups torn down and started again, the last checkpoint loaded.
+        Raises ``error`` (with what was kept) when it is not a lost process, or restarts are used up."""
+        from rlkit import checkpoint
+        from rlkit.errors import ClusterError, PlanError, WorkerError
+
+        c, ckpt = self.config, self.checkpoint_path
+        if not getattr(error, "lost", False) or not c.max_restarts:
+            raise error
+        saved = (ckpt / "trainer.json").is_file()
+        kept = (f"the checkpoint of step {checkpoint.read_state(ckpt)['step']} is kept at {ckpt}: "
+                f"Trainer.load({str(ckpt)!r}, dataset=...) goes on from it") if saved else \
+            f"no checkpoint was written yet (checkpoint_every={c.checkpoint_every})"
+        if len(self.restarts) >= c.max_restarts or not saved:
+            why = f"max_restarts={c.max_restarts} used up" if saved else "nothing to restart from"
+            raise WorkerError(f"{error}\nrlkit: not restarted ({why}); {kept}", rank=getattr(error, "rank", None),
+                              lost=True) from None
+        failed, t0 = self.step + 1, time.perf_counter()
+        first = str(error).splitlines()[0]
+        print(f"rlkit: {first}\nrlkit: restart {len(self.restarts) + 1}/{c.max_restarts} in step {failed}: "
+              f"the workers start again and load the checkpoint of step {checkpoint.read_state(ckpt)['step']} "
+              f"({ckpt})", file=sys.stderr, flush=True)
+        workers, self.workers = self.workers, None
+        if workers is not None:
+            workers.close()
+        from rlkit.workers.rl_workers import shutdown_groups
+
+        shutdown_groups(self._held)
+        deadline = time.monotonic() + c.restart_timeout_s
+        while True:  # the cluster may need a while to have room again (a node coming back, a lost one's CPUs freed)
+            try:
+                self._start_workers()
+                break
+            except (PlanError, ClusterError, WorkerError, TimeoutError) as e:
+                if time.monotonic() > deadline:
+                    raise WorkerError(f"{error}\nrlkit: the restart found no room for {self.plan.describe()} within "
+                                      f"restart_timeout_s={c.restart_timeout_s:g} s ({str(e).splitlines()[0]}); "
+                                      f"{kept}", rank=getattr(error, "rank", None), lost=True) from None
+                time.sleep(2.0)
+        self._resume(ckpt, checkpoint.verified_state(ckpt)[0])
+        self.restarts.append({"failed_step": failed, "from_step": self.step, "rank": getattr(error, "rank", None),
+                              "node": getattr(error, "node", None), "error": first,
+                              "seconds": time.perf_counter() - t0})
 
     def train_step(self) -> dict[str, float] | None:
         """One step of the dataflow, ``update(estimate(generate()))``; returns its metrics row (None when a

@@ -18,6 +18,7 @@ from typing import Any, Self
 
 import torch
 
+from rlkit.ahead import AheadQueue
 from rlkit.config import TrainerConfig
 from rlkit.errors import TrainerError
 from rlkit.history import History
@@ -134,7 +135,6 @@ class TrainerIO:
         >>> trainer = rlkit.Trainer.load("s3://bucket/run", dataset=rlkit.tasks.repeat)  # doctest: +SKIP
         """
         from rlkit import checkpoint, remote
-        from rlkit.errors import WorkerError
 
         if remote.is_remote(path):  # checked and downloaded in the driver, then loaded as a local checkpoint
             with remote.downloaded_version(path, storage_options) as local:
@@ -161,12 +161,25 @@ class TrainerIO:
                    rollout=Rollout(**{k: tuple(v) if isinstance(v, list) else v for k, v in state["rollout"].items()}),
                    cluster=cluster, config=config, callbacks=callbacks, placement=placement,
                    rollout_workers=rollout_workers, sampler=sampler)
+        self._resume(path, state)
+        return self
+
+    def _resume(self, path: Path, state: dict[str, Any]) -> None:
+        """Load the checkpoint at ``path`` (``trainer.json``'s ``state``, checked) into this trainer's workers,
+        just started, and take its step, history, sampler, KL coefficient and what was in flight: the half of
+        ``load`` that a restart after a lost worker repeats (``Trainer.fit``)."""
+        from rlkit import checkpoint
+        from rlkit.errors import WorkerError
+
+        saved_sampler = state.get("sampler") or {"kind": "EpochSampler", "state": {}, "chosen": {}}
         try:
             self.workers.load(str(path))  # the engines follow at the next step's sync
         except WorkerError as e:  # what the driver could not see: the workers' half-loaded state is dropped
             self.close()
             raise checkpoint.worker_failure(path, e) from None
         self.step, self.history = state["step"], History([r for r in state["rows"] if r.get("step", 0) <= state["step"]])
+        self._ahead = AheadQueue()  # a restart: what was in flight went with the old workers
+        self._stream = self._new_stream() if self.config.streaming else None
         ahead = checkpoint.read_ahead(path)
         if isinstance(ahead, dict) and "stream" in ahead:  # streaming: running samples and buffer, as they were
             from rlkit.stream import Stream
@@ -184,7 +197,6 @@ class TrainerIO:
         # One truthful history: metrics.jsonl rolled back to the checkpoint at once (a crash now would leave
         # a truthful file too); rows the earlier run logged after it are kept aside
         self.runs.roll_back(self.step, self.history.rows)
-        return self
 
     def _state_config(self) -> dict[str, Any]:
         def fields(plan: Any) -> dict[str, Any] | None:

@@ -92,6 +92,11 @@ TRAINER_CONFIG_BAD = {
     "seed": [(-1, "seed=-1 must be an integer >= 0"), (1.5, "seed=1.5")],
     "run_dir": [(A_FILE, "is a file; metrics go in a folder"), (3, "run_dir=3 must be a folder path")],
     "timeout_s": [(0, "timeout_s=0 must be a finite number > 0")],
+    "checkpoint_every": [(-1, "checkpoint_every=-1 must be an integer >= 0"), (2.5, "checkpoint_every=2.5")],
+    "max_restarts": [(-1, "max_restarts=-1 must be an integer >= 0"),
+                     (2, "max_restarts=2: a restart goes on from the run's last checkpoint, and checkpoint_every=0 "
+                         "writes none; set checkpoint_every=N")],
+    "restart_timeout_s": [(0, "restart_timeout_s=0 must be a finite number > 0")],
     "reward_timeout_s": [(0, "reward_timeout_s=0 must be a finite number > 0")],
     "keep_samples": [(-1, "keep_samples=-1 must be an integer >= 0")],
     "eval_every": [(-1, "eval_every=-1 must be an integer >= 0"), (2.5, "eval_every=2.5")],

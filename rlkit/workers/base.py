@@ -129,7 +129,8 @@ class BaseWorkerGroup:
     # ---- state and lifecycle ---------------------------------------------------------------------
     def _check_usable(self) -> None:
         if self._broken:
-            raise WorkerError(f"this group was torn down: {self._broken}; make a new {type(self).__name__}")
+            raise WorkerError(f"this group was torn down: {self._broken}; make a new {type(self).__name__}",
+                              lost="died" in self._broken)
         if self._closed:
             raise WorkerError(f"this group was shut down; make a new {type(self).__name__}")
 

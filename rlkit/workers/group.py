@@ -431,7 +431,7 @@ class WorkerGroup(BaseWorkerGroup):
             self.shutdown(polite=False)
             return WorkerError(f"the worker process died during {what!r} (killed, out of memory or crashed): "
                                f"{reason}{also}. The group was shut down; the cluster is still usable, make a "
-                               f"new WorkerGroup", rank=rank, node=self._node(rank))
+                               f"new WorkerGroup", rank=rank, node=self._node(rank), lost=True)
         rank, e = min(errors, key=lambda x: x[0])
         if isinstance(e, ray.exceptions.RayTaskError):
             cause = getattr(e, "cause", None)
