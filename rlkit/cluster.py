@@ -126,6 +126,11 @@ def _start_embedded(*, num_cpus: int, num_gpus: int | None, namespace: str, trie
                           stacklevel=3)
 
 
+def _labels(node: dict[str, Any]) -> str:
+    """A node's own labels (``ray start --labels``), ``k=v`` joined by commas."""
+    return ", ".join(f"{k}={v}" for k, v in sorted(node.get("labels", {}).items()))
+
+
 class Cluster:
     """A Ray cluster: embedded on this machine, or an existing one reached by address.
 
@@ -247,8 +252,9 @@ class Cluster:
             if not n.get("Alive"):
                 continue
             total = {k: v for k, v in n["Resources"].items() if not k.startswith("node:")}
+            labels = {k: v for k, v in (n.get("Labels") or {}).items() if not k.startswith("ray.io/")}
             out.append(dict(node_id=n["NodeID"], ip=n["NodeManagerAddress"],
-                            head="node:__internal_head__" in n["Resources"], total=total,
+                            head="node:__internal_head__" in n["Resources"], total=total, labels=labels,
                             free={k: v for k, v in free.get(n["NodeID"], total).items() if k in total}))
         return sorted(out, key=lambda n: (not n["head"], n["node_id"]))
 
@@ -295,10 +301,35 @@ class Cluster:
                    "devices": self._node_slots(n), "devices_free": self._node_slots(n, "free")}
             custom = {k: v for k, v in t.items() if k not in _STD and not k.startswith("accelerator_type")}
             row["custom"] = ", ".join(f"{k}={v:g}" for k, v in sorted(custom.items()))
+            row["labels"] = _labels(n)
             rows.append(row)
         df = pd.DataFrame(rows)
         df.attrs.update(num_devices=int(df["devices"].sum()) if len(df) else 0)
         return df
+
+    def table(self) -> pd.DataFrame:
+        """Who runs where: one row per rank of every worker group on this cluster (a Trainer's actor, rollout
+        and teacher groups, groups of your own): the group and its owner, the rank's dp/tp/pp coordinates, its
+        node (id, IP, labels), pid, memory (RSS), the call it is in and for how long, and its last heartbeat
+        (seconds ago; ``alive`` False once a rank missed three). Read from the ranks' heartbeats, so it answers
+        while they are busy, or stuck in a collective.
+
+        >>> cluster.table()[["group", "rank", "dp", "node", "node_labels", "rss_gb", "heartbeat_s"]]  # doctest: +SKIP
+        """
+        import pandas as pd
+
+        labels = {n["node_id"][:8]: _labels(n) for n in self._nodes()}
+        frames = []
+        for g in list(self._groups):
+            df = g.heartbeats()
+            if len(df):
+                df.insert(0, "group", g.name)
+                df.insert(1, "owner", g._owner_label)
+                df.insert(df.columns.get_loc("ip") + 1, "node_labels", df["node"].map(labels).fillna("(node gone)"))
+                frames.append(df)
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
+            columns=["group", "owner", "rank", "dp", "tp", "pp", "node", "ip", "node_labels", "pid", "rss_gb",
+                     "busy", "busy_s", "heartbeat_s", "alive"])
 
     def __repr__(self) -> str:
         if not self.alive:

@@ -210,7 +210,8 @@ class Trainer(TrainerIO):
         self._live_workers()
         self.runs.write_config(self._state_config())
         self._open_trackers()
-        live = LiveView(steps, mode=view, title=f"{self.algorithm} on {self.plan.describe()}")
+        live = LiveView(steps, mode=view, title=f"{self.algorithm} on {self.plan.describe()}",
+                        workers=self.workers_table if self.cluster is not None else None)
         stop = StopOnInterrupt()
         target = self.step + steps
         try:
@@ -245,6 +246,16 @@ class Trainer(TrainerIO):
             print(f"rlkit: stopped after step {self.step} (Ctrl-C); the trainer keeps its weights: trainer.fit(...) "
                   f"continues from there", file=sys.stderr, flush=True)
         return self.metrics
+
+    def workers_table(self):
+        """This trainer's ranks on the cluster (``Cluster.table()``'s rows: node and its labels, pid, memory, the
+        call each is in, last heartbeat), what the live view's worker panel shows. Empty without Ray."""
+        import pandas as pd
+
+        if self.cluster is None:
+            return pd.DataFrame()
+        table = self.cluster.table()
+        return table[table["owner"] == self._holder_label].reset_index(drop=True)
 
     @property
     def checkpoint_path(self) -> Path:

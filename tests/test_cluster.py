@@ -215,3 +215,70 @@ def test_two_nodes_keep_tp_groups_on_one_node(ray_session_end):
     finally:
         ray.shutdown()
         sim.shutdown()
+
+
+@pytest.fixture
+def two_labelled_nodes(ray_session_end):
+    """Ray's own multi-node test cluster: a head that runs no ranks and two worker nodes of 2 CPUs, each a raylet
+    process of its own, labelled zone=a and zone=b; the driver joined to it by address."""
+    import ray
+    from ray.cluster_utils import Cluster as SimCluster
+
+    current = Cluster.current()
+    if current is not None:
+        current.shutdown()
+    sim = SimCluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = [sim.add_node(num_cpus=2, labels={"zone": z}) for z in "ab"]
+    try:
+        ray.init(address=sim.address, logging_level="WARNING")
+        c = Cluster()
+        yield c, nodes
+        c.shutdown()
+    finally:
+        ray.shutdown()
+        sim.shutdown()
+
+
+@pytest.mark.timeout(420)
+def test_a_trainer_on_two_nodes_keeps_tp_inside_a_node_and_shows_who_runs_where(two_labelled_nodes, tmp_path):
+    import rlkit
+    from rlkit.models import tiny_lm
+    from rlkit.widgets.plan_view import PlanView
+
+    c, nodes = two_labelled_nodes
+    res = c.resources()
+    assert sorted(res["labels"]) == ["", "zone=a", "zone=b"] and c.num_devices == 4
+    kw = dict(model=tiny_lm("qwen2", size="test"), dataset=rlkit.tasks.repeat, cluster=c, run_dir=str(tmp_path),
+              rollout=rlkit.Rollout(engine="hf", n=2, max_new_tokens=4), prompts_per_step=2)
+    # a TP group wider than any node is refused with the reason, before anything is reserved (2 CPUs a rank:
+    # one rank a node)
+    with pytest.raises(PlanError, match=r"tp=2 ranks must share one node, but the largest node holds 1 ranks"):
+        c.placement_group_for(ParallelPlan(tp=2), cpus_per_worker=2)
+    assert c.table().empty and c.resources()["CPU_free"].sum() == 4
+
+    plan = ParallelPlan(dp=2, tp=2)
+    tr = rlkit.Trainer(plan=plan, **kw)
+    try:
+        tr.fit(steps=1, view="none")  # gloo across the two raylets
+        table = c.table()
+        mine = table[table["owner"] == tr._holder_label].sort_values("rank")
+        assert list(mine["rank"]) == [0, 1, 2, 3] and mine["alive"].all()
+        node_of = dict(zip(mine["rank"], mine["node"]))
+        for group in plan.groups("tp"):  # each TP group inside one node ...
+            assert len({node_of[r] for r in group}) == 1
+        assert node_of[0] != node_of[2]  # ... and DP across the two
+        assert sorted(set(mine["node_labels"])) == ["zone=a", "zone=b"]
+        assert (mine["rss_gb"] > 0.1).all() and (mine["heartbeat_s"] < 30).all()
+        assert set(mine["node"]) == {n.node_id[:8] for n in nodes}
+        panel = tr.workers_table()  # what the live view's worker panel shows
+        assert list(panel["rank"]) == [0, 1, 2, 3] and set(panel["group"]) == {"rl"}
+        from rlkit.widgets.live import LiveView
+
+        assert all(f">{lab}<" in LiveView(mode="none", workers=tr.workers_table).workers_html()
+                   for lab in ("zone=a", "zone=b"))
+        view = PlanView(plan, dim="node", placed=tr.group)  # the grid coloured by node
+        assert view.color_of(0) == view.color_of(1) != view.color_of(2) == view.color_of(3)
+        assert "runs on node " + node_of[2] in view.facts.tooltip(2)
+    finally:
+        tr.close()
+    assert c.table().empty  # the closed trainer's ranks are gone from it

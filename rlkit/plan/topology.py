@@ -451,15 +451,19 @@ class ParallelPlan:
 
 
     # ---- views (drawn by rlkit.widgets, found through rlkit.display: this layer never imports them) --
-    def show(self, model: Any = None, dim: str = "tp", cluster: Any = None) -> Any:
+    def show(self, model: Any = None, dim: str = "tp", cluster: Any = None, placed: Any = None) -> Any:
         """The interactive rank grid (an ipywidgets widget): cells coloured by DP/TP/PP group, with
-        coordinates, node, layers (given a model) and group members on hover and click.
+        coordinates, node, layers (given a model) and group members on hover and click. ``placed``: a running
+        worker group of this plan (``trainer.group``), whose ranks ``dim="node"`` colours by the node they run on.
 
         >>> view = ParallelPlan(dp=2, tp=2, pp=2).show(model="qwen2.5-7b", dim="pp")
         >>> len(view.cells)
         8
+        >>> by_node = ParallelPlan(dp=2).show(dim="node", placed=["n0", "n1"])   # rank 0 on n0, rank 1 on n1
+        >>> by_node.color_of(0) != by_node.color_of(1)
+        True
         """
-        return display.view(self, "widget", model=model, dim=dim, cluster=cluster)
+        return display.view(self, "widget", model=model, dim=dim, cluster=cluster, placed=placed)
 
     def _repr_html_(self) -> str | None:
         # static fallback (nbconvert, GitHub, no widget frontend): an HTML grid with inline styles

@@ -34,6 +34,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
@@ -433,6 +434,8 @@ class LiveView:
     (above the tqdm bar; over the status line and as the bar's tooltip in the widget).
     ``every``: redraw the figure at most every that many steps (the bar and status line update each step).
     ``rolling``: window of the rolling reward. ``file``: where the tqdm bar writes (default stderr).
+    ``workers``: a function returning the run's workers (``Cluster.table()``'s rows: node, memory, the call each
+    is in, last heartbeat), shown under the curves in the widget at each redraw (``workers_html``).
 
     >>> import io
     >>> out = io.StringIO()
@@ -450,7 +453,8 @@ class LiveView:
     max_draw_share = 0.2
 
     def __init__(self, total_steps: int | None = None, *, every: int = 1, rolling: int = 10, title: str = "",
-                 mode: str = "auto", file: IO[str] | None = None, label: str | None = None) -> None:
+                 mode: str = "auto", file: IO[str] | None = None, label: str | None = None,
+                 workers: Callable[[], pd.DataFrame] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"LiveView(mode={mode!r}): mode must be one of {MODES}")
         if total_steps is not None and int(total_steps) < 0:
@@ -470,6 +474,7 @@ class LiveView:
         self._drawn_rows = 0
         self._drawn_at = -math.inf
         self._closed = False
+        self.workers = workers
         self.widget: Any = None
         self._bar: Any = None
         if self.mode == "widget":
@@ -535,6 +540,8 @@ class LiveView:
         t0 = time.perf_counter()
         self._fig = metrics_figure(self.df, rolling=self.rolling, title=self.title, fig=self._fig)
         self._image.value = figure_png(self._fig, dpi=None, tight=False)  # kept: the next redraw reuses it
+        if self.workers is not None:
+            self._workers.value = self.workers_html()
         self._drawn_at = time.perf_counter()
         self.draw_s = self._drawn_at - t0
         self._drawn_rows = len(self.rows)
@@ -561,6 +568,34 @@ class LiveView:
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         self.close(error=exc_type is not None)
+
+    def workers_html(self) -> str:
+        """The worker panel: one row per rank (group, rank, node and its labels, memory, the call it is in,
+        seconds since its last heartbeat), a rank that stopped reporting in red. Empty without ``workers``.
+
+        >>> import pandas as pd
+        >>> rows = pd.DataFrame([{"group": "rl", "rank": 0, "node": "4b6140a8", "node_labels": "zone=a",
+        ...                       "rss_gb": 0.48, "busy": "update", "busy_s": 1.2, "heartbeat_s": 0.7, "alive": True}])
+        >>> "zone=a" in LiveView(mode="none", workers=lambda: rows).workers_html()
+        True
+        """
+        if self.workers is None:
+            return ""
+        try:
+            df = self.workers()
+        except Exception as e:  # the cluster going away mid-run: the panel says so, the run goes on
+            return f"<div style='font-size:11px;color:#b00'>workers: {html.escape(str(e).splitlines()[0])}</div>"
+        out = ["<table style='font:11px monospace;border-collapse:collapse;margin-top:4px'><tr>"
+               + "".join(f"<th style='padding:0 6px;text-align:left'>{h}</th>" for h in
+                         ("group", "rank", "node", "labels", "RSS GiB", "in", "heartbeat")) + "</tr>"]
+        for r in df.to_dict("records"):
+            busy = f"{r['busy']} {r['busy_s']:.0f}s" if r.get("busy") else "idle"
+            colour = "" if r.get("alive") else "color:#b00"
+            cells = (r["group"], r["rank"], r["node"], r.get("node_labels") or "", f"{r['rss_gb']:.2f}", busy,
+                     f"{r['heartbeat_s']:.0f}s ago")
+            out.append(f"<tr style='{colour}'>" + "".join(f"<td style='padding:0 6px'>{html.escape(str(c))}</td>"
+                                                          for c in cells) + "</tr>")
+        return "".join(out) + "</table>"
 
     # -- the words ---------------------------------------------------------------------------------
     def _last(self, key: str) -> float | None:
@@ -640,7 +675,9 @@ class LiveView:
                                        style={"description_width": "initial"}, layout=W.Layout(width="60%"))
         self._status = W.HTML(value=self._status_html())
         self._image = W.Image(format="png", layout=W.Layout(max_width="100%"))
-        self.widget = W.VBox([self._progress, self._status, self._image])
+        self._workers = W.HTML()  # the worker panel, under the curves when there are workers to show
+        self.widget = W.VBox([self._progress, self._status, self._image]
+                             + ([self._workers] if self.workers is not None else []))
         if in_notebook():
             # Displayed exactly once; later updates only set widget values (comm messages), so the
             # cell's output never grows and nothing waits on the frontend.

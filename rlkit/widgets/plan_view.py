@@ -44,11 +44,14 @@ DIM_HELP = {
     "ep": "Expert parallel (mixture of experts): the ranks of a group are DP ranks that share one copy of the "
           "experts, a slice of them each, and send every token to its experts' ranks and back by all-to-all "
           "twice per MoE layer; the other DP ranks hold further copies and average the experts' gradients.",
+    "node": "Where the ranks run: ranks of one colour share a node (a machine). TP groups should not span two "
+            "nodes (their all-reduces would cross the network twice a layer); DP and PP groups may.",
     "gen": "Generation (3D-HybridEngine): the same ranks generate with tensor parallel t_g and no pipeline; "
            "each group is one engine on a share of its DP replica's prompts, and before generating the "
            "ranks holding the same generation shard (a micro-DP group) gather it from their training shards.",
 }
 GEN = "gen"  # the generation-layout pseudo dimension (needs rollout_tp)
+NODE = "node"  # the node each rank landed on (needs placed=: a running worker group)
 EP = "ep"  # expert-parallel groups (plans with ep > 1), cut out of DP
 # Wider than a node in the grid view is hard to read: wrap a node over several rows past this.
 MAX_COLUMNS = 16
@@ -71,7 +74,7 @@ class _RankFacts:
     """Everything the grid shows, computed once per plan: O(world_size), fast for 512 ranks."""
 
     def __init__(self, plan: ParallelPlan, model: Any = None, devices_per_node: int | None = None,
-                 cluster: Any = None, rollout_tp: int | None = None) -> None:
+                 cluster: Any = None, rollout_tp: int | None = None, placed: Any = None) -> None:
         self.plan = plan
         self.per = int(devices_per_node or getattr(cluster, "devices_per_node", None) or plan.devices_per_node
                        or plan.world_size)
@@ -94,6 +97,11 @@ class _RankFacts:
                 for r in g:
                     index[r] = i
             self.group_index[EP] = index
+        self.placed = _placed_nodes(placed, plan)  # rank -> the node id it runs on (None: not placed)
+        if self.placed is not None:
+            order = list(dict.fromkeys(self.placed))  # nodes in order of their first rank
+            self.groups[NODE] = [[r for r in range(self.n) if self.placed[r] == nd] for nd in order]
+            self.group_index[NODE] = [order.index(nd) for nd in self.placed]
         self.layout = None
         if rollout_tp is not None:
             from rlkit.plan.hybrid import GenerationLayout
@@ -139,9 +147,12 @@ class _RankFacts:
 
     @property
     def dims(self) -> tuple[str, ...]:
-        return DIMS + ((EP,) if EP in self.groups else ()) + ((GEN,) if self.layout is not None else ())
+        return (DIMS + ((EP,) if EP in self.groups else ()) + ((GEN,) if self.layout is not None else ())
+                + ((NODE,) if NODE in self.groups else ()))
 
     def size(self, dim: str) -> int:
+        if dim == NODE:
+            return max(len(g) for g in self.groups[NODE])
         return self.layout.tp if dim == GEN else self.plan.ep if dim == EP else self.plan.size(dim)
 
     def summary(self) -> list[str]:
@@ -151,6 +162,8 @@ class _RankFacts:
             out.append(f"{len(self.groups[EP])} EP groups of {self.plan.ep} ({self.plan.expert_dp} copies of the experts)")
         if self.layout is not None:
             out.append(f"{len(self.groups[GEN])} generation groups of {self.layout.tp} (rollout tp={self.layout.tp})")
+        if NODE in self.groups:
+            out.append(f"running on {len(self.groups[NODE])} node(s)")
         return out
 
     def _gen_lines(self, rank: int) -> list[tuple[str, str]]:
@@ -171,6 +184,8 @@ class _RankFacts:
         for d in ("tp", "pp", "dp") + ((EP,) if EP in self.groups else ()):
             lines.append(f"{d.upper()} group: {short_list(self._members(rank, d))}")
         lines += [f"{k}: {v}" for k, v in self._gen_lines(rank)]
+        if self.placed is not None:
+            lines.append(f"runs on node {self.placed[rank][:8]}")
         return "\n".join(lines)
 
     def details_html(self, rank: int) -> str:
@@ -184,12 +199,26 @@ class _RankFacts:
         for d in ("tp", "pp", "dp") + ((EP,) if EP in self.groups else ()):
             rows.append((f"{d.upper()} group #{self.group_index[d][rank]}", short_list(self._members(rank, d))))
         rows += self._gen_lines(rank)
+        if self.placed is not None:
+            rows.append(("runs on node", f"{self.placed[rank][:8]} (with ranks {short_list(self._members(rank, NODE))})"))
         body = "".join(f"<tr><td style='padding:1px 8px 1px 0;color:#555'>{k}</td><td>{v}</td></tr>"
                        for k, v in rows)
         return f"<table style='font-size:12px'>{body}</table>"
 
     def _members(self, rank: int, dim: str) -> list[int]:
         return self.groups[dim][self.group_index[dim][rank]]
+
+
+def _placed_nodes(placed: Any, plan: ParallelPlan) -> list[str] | None:
+    """Rank -> node id from ``placed``: a running worker group (its ``nodes``), anything with a ``group`` (a
+    Trainer), or a list of node ids, one per rank."""
+    if placed is None:
+        return None
+    nodes = getattr(getattr(placed, "group", None), "nodes", None) or getattr(placed, "nodes", None) or placed
+    if not isinstance(nodes, (list, tuple)) or len(nodes) != plan.world_size:
+        raise PlanError(f"placed={placed!r} must be a running worker group of this plan (trainer.group), a Trainer, "
+                        f"or a list of {plan.world_size} node ids, one per rank")
+    return [str(n) for n in nodes]
 
 
 def _grid_columns(per: int) -> int:
@@ -206,18 +235,21 @@ def _check_view_dim(dim: str, facts: _RankFacts | None = None) -> None:
     if dim == EP and (facts is None or EP not in facts.groups):
         raise PlanError("dim='ep' colours ranks by expert-parallel group, which a plan has with ep > 1 (a mixture of "
                         "experts): e.g. ParallelPlan(dp=4, ep=2)")
-    if dim not in DIMS + (EP, GEN):
+    if dim == NODE and (facts is None or NODE not in facts.groups):
+        raise PlanError("dim='node' colours ranks by the node they run on, which a running group knows: pass "
+                        "placed=trainer.group (or a WorkerGroup), e.g. plan.show(dim='node', placed=trainer.group)")
+    if dim not in DIMS + (EP, GEN, NODE):
         ok = list(facts.dims) if facts is not None else list(DIMS)
         raise PlanError(f"dim={dim!r} is not a parallel dimension; choose one of {ok}")
 
 
 def _dim_name(dim: str) -> str:
-    return "generation" if dim == GEN else dim.upper()
+    return "generation" if dim == GEN else "node" if dim == NODE else dim.upper()
 
 
 # ---- the rank grid: static HTML --------------------------------------------------------------------
 def plan_html(plan: ParallelPlan, dim: str = "tp", model: Any = None, devices_per_node: int | None = None,
-              cluster: Any = None, rollout_tp: int | None = None) -> str:
+              cluster: Any = None, rollout_tp: int | None = None, placed: Any = None) -> str:
     """The rank grid as self-contained HTML (inline styles, hover text in ``title``): the fallback
     that renders without a widget frontend. With ``rollout_tp`` the hover text also gives each
     rank's generation group, shard (``gen_tp``) and micro-DP group, and ``dim="gen"`` colours the
@@ -231,8 +263,14 @@ def plan_html(plan: ParallelPlan, dim: str = "tp", model: Any = None, devices_pe
     True
     >>> "2 EP groups of 2 (2 copies of the experts)" in plan_html(ParallelPlan(dp=4, ep=2), dim="ep")
     True
+
+    ``placed`` (a running worker group, e.g. ``trainer.group``, or one node id per rank): ``dim="node"``
+    colours each rank by the node it runs on.
+
+    >>> "runs on node bbbb" in plan_html(ParallelPlan(dp=2, tp=2), dim="node", placed=["aaaa"] * 2 + ["bbbb"] * 2)
+    True
     """
-    facts = _RankFacts(plan, model, devices_per_node, cluster, rollout_tp)
+    facts = _RankFacts(plan, model, devices_per_node, cluster, rollout_tp, placed)
     _check_view_dim(dim, facts)
     return _grid_html(facts, dim)
 
@@ -280,9 +318,10 @@ class PlanView(W.VBox):
     """
 
     def __init__(self, plan: ParallelPlan, model: Any = None, dim: str = "tp",
-                 devices_per_node: int | None = None, cluster: Any = None, rollout_tp: int | None = None) -> None:
+                 devices_per_node: int | None = None, cluster: Any = None, rollout_tp: int | None = None,
+                 placed: Any = None) -> None:
         self.plan = plan
-        self.facts = facts = _RankFacts(plan, model, devices_per_node, cluster, rollout_tp)
+        self.facts = facts = _RankFacts(plan, model, devices_per_node, cluster, rollout_tp, placed)
         _check_view_dim(dim, facts)
         # Every cell shares one Layout and each group one ButtonStyle, all passed in at construction
         # (a default style per Button costs ~1 ms each): a 512-rank grid builds in ~0.1 s, and
@@ -294,6 +333,8 @@ class PlanView(W.VBox):
             options.append(("EP groups", EP))
         if facts.layout is not None:
             options.append(("Gen groups", GEN))
+        if NODE in facts.groups:
+            options.append(("Nodes", NODE))
         self.dim_buttons = W.ToggleButtons(options=options, value=dim, tooltips=[DIM_HELP[d] for _, d in options],
                                            style=W.ToggleButtonsStyle(button_width="90px"))
         styles, index = self._group_styles(dim), facts.group_index[dim]
@@ -348,8 +389,8 @@ class PlanView(W.VBox):
         for r, b in enumerate(self.cells):
             if b.style is not styles[index[r]]:
                 b.style = styles[index[r]]
-        self.legend.value = (f"<span style='font-size:12px'>{len(styles)} {_dim_name(dim)} groups of "
-                             f"{self.facts.size(dim)}. {html.escape(DIM_HELP[dim])}</span>")
+        what = f"{len(styles)} node(s)" if dim == NODE else f"{len(styles)} {_dim_name(dim)} groups of {self.facts.size(dim)}"
+        self.legend.value = f"<span style='font-size:12px'>{what}. {html.escape(DIM_HELP[dim])}</span>"
 
 
 def plan_mimebundle(plan: ParallelPlan, **kw: Any) -> dict[str, Any]:

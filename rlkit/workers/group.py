@@ -25,6 +25,8 @@ from rlkit.errors import PlanError, WorkerError
 from rlkit.workers.base import BaseWorkerGroup, bound_method, join_dp_results, method_name
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from rlkit.cluster import Cluster
     from rlkit.plan.topology import ParallelPlan
     from rlkit.pools import ResourcePool
@@ -41,12 +43,44 @@ class WorkerTimeoutError(WorkerError, TimeoutError):
     """Some ranks did not answer in time (often: stuck in a collective waiting for a peer)."""
 
 
-class _RankWorker:
-    """The actor behind one rank: sets up env and process group, then hosts the user's object."""
+HEARTBEAT_S = 2.0  # how often a rank's heartbeat thread reports (Cluster.table, WorkerGroup.heartbeats)
 
-    def __init__(self, rank: int, world_size: int, env: dict[str, str]) -> None:
+
+def beat_key(group_id: str, rank: int) -> str:
+    """The key of rank ``rank``'s heartbeat in Ray's key-value store (the GCS: reachable from every node)."""
+    return f"rlkit:beat:{group_id}:{rank}"
+
+
+class _RankWorker:
+    """The actor behind one rank: sets up env and process group, then hosts the user's object. A daemon thread
+    reports its heartbeat every ``HEARTBEAT_S``: the time, its memory (RSS) and the call it is in, so a rank
+    busy in a long call or stuck in a collective still shows alive, and a dead one stops reporting."""
+
+    def __init__(self, rank: int, world_size: int, env: dict[str, str], beat: str | None = None) -> None:
         os.environ.update(env)
         self.rank, self.world_size, self.obj = rank, world_size, None
+        self._busy: tuple[str, float] | None = None  # (the call it is in, since when)
+        if beat is not None:
+            import threading
+
+            threading.Thread(target=self._beat, args=(beat,), name="rlkit-heartbeat", daemon=True).start()
+
+    def _beat(self, key: str) -> None:
+        import json
+
+        import psutil
+        from ray.experimental import internal_kv
+
+        me = psutil.Process()
+        while True:
+            busy = self._busy
+            try:
+                internal_kv._internal_kv_put(key, json.dumps({
+                    "t": time.time(), "rss": me.memory_info().rss, "busy": busy[0] if busy else None,
+                    "busy_since": busy[1] if busy else None}), overwrite=True)
+            except Exception:  # the cluster going away: the next beat tries again, the process ends with it
+                pass
+            time.sleep(HEARTBEAT_S)
 
     def info(self) -> dict[str, Any]:
         import ray
@@ -84,10 +118,18 @@ class _RankWorker:
         return {"import_s": t_import, "process_group_s": t_pg, "construct_s": time.perf_counter() - t0 - t_import - t_pg}
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return bound_method(self.obj, name)(*args, **kwargs)
+        self._busy = (name, time.time())
+        try:
+            return bound_method(self.obj, name)(*args, **kwargs)
+        finally:
+            self._busy = None
 
     def apply(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        return fn(self.obj, *args, **kwargs)
+        self._busy = (getattr(fn, "__name__", "apply"), time.time())
+        try:
+            return fn(self.obj, *args, **kwargs)
+        finally:
+            self._busy = None
 
     def close(self) -> bool:
         close = getattr(self.obj, "close", None)
@@ -252,6 +294,7 @@ class WorkerGroup(BaseWorkerGroup):
         self.cluster, self.worker_cls, self.name = cluster, worker_cls, name or getattr(worker_cls, "__name__", "workers")
         self.timeout_s, self.world_size = float(timeout_s), self.plan.world_size
         self._closed, self._broken = False, None
+        self.beat_id = f"{os.getpid()}-{id(self):x}-{time.monotonic_ns()}"  # its ranks' heartbeat keys
         self._owner = weakref.ref(owner) if owner is not None else None
         self._owner_label = getattr(owner, "_holder_label", None) or (type(owner).__name__ if owner is not None else None)
         self.timings: dict[str, float] = {}
@@ -274,7 +317,8 @@ class WorkerGroup(BaseWorkerGroup):
             ship_by_value(worker_cls)
             actor = _actor_cls()
             user_env = {**QUIET_ENV, **{k: str(v) for k, v in (env or {}).items()}}
-            self.actors = [actor.options(**pool.actor_options(r), name=None).remote(r, self.world_size, user_env)
+            self.actors = [actor.options(**pool.actor_options(r), name=None).remote(r, self.world_size, user_env,
+                                                                                  beat_key(self.beat_id, r))
                            for r in range(self.world_size)]
             self.info = self._gather([a.info.remote() for a in self.actors], list(range(self.world_size)),
                                      timeout_s, "start")
@@ -477,4 +521,36 @@ class WorkerGroup(BaseWorkerGroup):
                 self.pool.remove()
         if self in self.cluster._groups:
             self.cluster._groups.remove(self)
+        try:
+            from ray.experimental import internal_kv
+
+            if ray.is_initialized():
+                internal_kv._internal_kv_del(f"rlkit:beat:{self.beat_id}:", del_by_prefix=True)
+        except Exception:  # the cluster is gone, and its store with it
+            pass
+
+    def heartbeats(self) -> pd.DataFrame:
+        """One row per rank: where it runs (node, ip, pid), its memory, the call it is in and for how long, and
+        its last heartbeat (seconds ago; a rank that stopped reporting for 3 heartbeats shows ``alive`` False).
+
+        >>> group.heartbeats()[["rank", "node", "rss_gb", "busy", "heartbeat_s", "alive"]]   # doctest: +SKIP
+        """
+        import json
+
+        import pandas as pd
+        from ray.experimental import internal_kv
+
+        now, out = time.time(), []
+        for r, info in enumerate(getattr(self, "info", None) or []):
+            try:
+                raw = internal_kv._internal_kv_get(beat_key(self.beat_id, r))
+            except Exception:
+                raw = None
+            beat = json.loads(raw) if raw else {}
+            age = now - beat["t"] if "t" in beat else float("nan")
+            out.append({"rank": r, **self.plan.coords(r), "node": info["node_id"][:8], "ip": info["ip"],
+                        "pid": info["pid"], "rss_gb": beat.get("rss", float("nan")) / 2**30,
+                        "busy": beat.get("busy"), "busy_s": now - beat["busy_since"] if beat.get("busy_since") else 0.0,
+                        "heartbeat_s": age, "alive": bool(age <= 3 * HEARTBEAT_S) and not self._closed})
+        return pd.DataFrame(out)
 
