@@ -282,3 +282,23 @@ def test_a_trainer_on_two_nodes_keeps_tp_inside_a_node_and_shows_who_runs_where(
     finally:
         tr.close()
     assert c.table().empty  # the closed trainer's ranks are gone from it
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_split_placement_puts_the_rollout_pool_on_the_other_node(two_labelled_nodes, tmp_path):
+    import rlkit
+    from rlkit.models import tiny_lm
+
+    c, _nodes = two_labelled_nodes
+    # the actor's tp=2 group fills one node, so the rollout worker's pool lands on the other
+    tr = rlkit.Trainer(model=tiny_lm("qwen2", size="test"), dataset=rlkit.tasks.repeat, cluster=c,
+                       run_dir=str(tmp_path), rollout=rlkit.Rollout(engine="hf", n=2, max_new_tokens=4),
+                       prompts_per_step=2, plan=ParallelPlan(tp=2), placement="split", rollout_workers=1)
+    try:
+        tr.fit(steps=1, view="none")  # the weights cross nodes over the weight channel
+        table = tr.workers_table()
+        actor, rollout = (set(table[table["group"] == g]["node_labels"]) for g in ("rl", "rollout"))
+        assert len(actor) == 1 and len(rollout) == 1 and actor != rollout, table
+    finally:
+        tr.close()

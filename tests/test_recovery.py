@@ -150,3 +150,45 @@ def test_a_lost_node_is_replaced_by_the_nodes_left(tmp_path, ray_session_end):
     finally:
         ray.shutdown()
         sim.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_restart_with_no_room_left_gives_up_after_its_timeout_naming_the_checkpoint(tmp_path, ray_session_end):
+    """The run's only worker node removed: the restart waits restart_timeout_s for room (a replacement node),
+    none comes, and the run stops with the lost worker's error and the checkpoint it kept."""
+    import time
+
+    import ray
+    from ray.cluster_utils import Cluster as SimCluster
+
+    from rlkit.cluster import Cluster
+
+    current = Cluster.current()
+    if current is not None:
+        current.shutdown()
+    sim = SimCluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = [sim.add_node(num_cpus=2)]
+    try:
+        ray.init(address=sim.address, logging_level="WARNING")
+        c = Cluster()
+        tr = _trainer(c, tmp_path / "run", plan=rlkit.ParallelPlan(dp=2), checkpoint_every=1, max_restarts=2,
+                      restart_timeout_s=10)
+        try:
+            def lose_node(_trainer, row):
+                if row["step"] == 1 and nodes:
+                    sim.remove_node(nodes.pop())
+            tr.callbacks.append(lose_node)
+            t0 = time.monotonic()
+            with pytest.raises(WorkerError, match=r"(?s)died.*found no room for dp=2 x tp=1 x pp=1.*within "
+                                                  r"restart_timeout_s=10 s.*checkpoint of step 1 is kept"):
+                tr.fit(steps=3, view="none")
+            assert time.monotonic() - t0 >= 10  # it waited the bound out
+            assert tr.restarts == [] and tr.workers is None
+            assert json.loads((tmp_path / "run" / "checkpoint" / "trainer.json").read_text())["step"] == 1
+        finally:
+            tr.close()
+        c.shutdown()
+    finally:
+        ray.shutdown()
+        sim.shutdown()
