@@ -32,6 +32,7 @@ from rlkit.history import History
 from rlkit.hub import resolve_checkpoint
 from rlkit.interrupt import StopOnInterrupt
 from rlkit.plan.topology import ParallelPlan
+from rlkit.recovery import restart
 from rlkit.rewards.functions import RewardFunctions
 from rlkit.rollout import Rollout
 from rlkit.run_dir import RunDir
@@ -224,7 +225,7 @@ class Trainer(TrainerIO):
                                 and self.step % self.config.checkpoint_every == 0:
                             self.save(self.checkpoint_path)
                     except WorkerError as e:
-                        self._restart(e)  # raises when it may not
+                        restart(self, e)  # raises when it may not
                         continue
                     if row is None:  # stopped before this step's update
                         break
@@ -261,50 +262,6 @@ class Trainer(TrainerIO):
     def checkpoint_path(self) -> Path:
         """Where ``checkpoint_every`` writes the run's checkpoint, and a restart loads it from."""
         return self.run_dir / "checkpoint"
-
-    def _restart(self, error: Exception) -> None:
-        """After a lost worker (``error``): the groups torn down and started again, the last checkpoint loaded.
-        Raises ``error`` (with what was kept) when it is not a lost process, or restarts are used up."""
-        from rlkit import checkpoint
-        from rlkit.errors import ClusterError, PlanError, WorkerError
-
-        c, ckpt = self.config, self.checkpoint_path
-        if not getattr(error, "lost", False) or not c.max_restarts:
-            raise error
-        saved = (ckpt / "trainer.json").is_file()
-        kept = (f"the checkpoint of step {checkpoint.read_state(ckpt)['step']} is kept at {ckpt}: "
-                f"Trainer.load({str(ckpt)!r}, dataset=...) goes on from it") if saved else \
-            f"no checkpoint was written yet (checkpoint_every={c.checkpoint_every})"
-        if len(self.restarts) >= c.max_restarts or not saved:
-            why = f"max_restarts={c.max_restarts} used up" if saved else "nothing to restart from"
-            raise WorkerError(f"{error}\nrlkit: not restarted ({why}); {kept}", rank=getattr(error, "rank", None),
-                              lost=True) from None
-        failed, t0 = self.step + 1, time.perf_counter()
-        first = str(error).splitlines()[0]
-        print(f"rlkit: {first}\nrlkit: restart {len(self.restarts) + 1}/{c.max_restarts} in step {failed}: "
-              f"the workers start again and load the checkpoint of step {checkpoint.read_state(ckpt)['step']} "
-              f"({ckpt})", file=sys.stderr, flush=True)
-        workers, self.workers = self.workers, None
-        if workers is not None:
-            workers.close()
-        from rlkit.workers.rl_workers import shutdown_groups
-
-        shutdown_groups(self._held)
-        deadline = time.monotonic() + c.restart_timeout_s
-        while True:  # the cluster may need a while to have room again (a node coming back, a lost one's CPUs freed)
-            try:
-                self._start_workers()
-                break
-            except (PlanError, ClusterError, WorkerError, TimeoutError) as e:
-                if time.monotonic() > deadline:
-                    raise WorkerError(f"{error}\nrlkit: the restart found no room for {self.plan.describe()} within "
-                                      f"restart_timeout_s={c.restart_timeout_s:g} s ({str(e).splitlines()[0]}); "
-                                      f"{kept}", rank=getattr(error, "rank", None), lost=True) from None
-                time.sleep(2.0)
-        self._resume(ckpt, checkpoint.verified_state(ckpt)[0])
-        self.restarts.append({"failed_step": failed, "from_step": self.step, "rank": getattr(error, "rank", None),
-                              "node": getattr(error, "node", None), "error": first,
-                              "seconds": time.perf_counter() - t0})
 
     def train_step(self) -> dict[str, float] | None:
         """One step of the dataflow, ``update(estimate(generate()))``; returns its metrics row (None when a

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 RAY_TEST_CPUS = 4  # logical CPUs: test actors sleep or all-reduce tiny tensors; 2 real cores are plenty
@@ -56,6 +58,31 @@ def ray_make_cluster(ray_session_end):
 def ray_cluster(ray_make_cluster):
     """A live embedded 4-CPU cluster."""
     return ray_make_cluster()
+
+
+@contextlib.contextmanager
+def multi_node(*cpus: int, labels: list[dict] | None = None):
+    """Ray's own multi-node test cluster on this machine: a head that runs no ranks and one worker node per entry
+    of ``cpus`` (each a raylet process of its own, with ``labels[i]``), the driver joined to it by address and an
+    rlkit ``Cluster`` over it. Yields ``(cluster, sim, nodes)``; ``sim.remove_node(node)`` takes a node away."""
+    import ray
+    from ray.cluster_utils import Cluster as SimCluster
+
+    from rlkit.cluster import Cluster
+
+    current = Cluster.current()
+    if current is not None:
+        current.shutdown()
+    sim = SimCluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = [sim.add_node(num_cpus=n, **({"labels": labels[i]} if labels else {})) for i, n in enumerate(cpus)]
+    try:
+        ray.init(address=sim.address, logging_level="WARNING")
+        c = Cluster()
+        yield c, sim, nodes
+        c.shutdown()
+    finally:
+        ray.shutdown()
+        sim.shutdown()
 
 
 def settled_cpu_free(cluster, quiet_s: float = 2.0, bound_s: float = 60.0) -> float:

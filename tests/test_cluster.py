@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import settled_cpu_free, wait_cpu_free
+from conftest import multi_node, settled_cpu_free, wait_cpu_free
 
 from rlkit.cluster import Cluster, ClusterError
 from rlkit.errors import PlanError
@@ -219,24 +219,9 @@ def test_two_nodes_keep_tp_groups_on_one_node(ray_session_end):
 
 @pytest.fixture
 def two_labelled_nodes(ray_session_end):
-    """Ray's own multi-node test cluster: a head that runs no ranks and two worker nodes of 2 CPUs, each a raylet
-    process of its own, labelled zone=a and zone=b; the driver joined to it by address."""
-    import ray
-    from ray.cluster_utils import Cluster as SimCluster
-
-    current = Cluster.current()
-    if current is not None:
-        current.shutdown()
-    sim = SimCluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    nodes = [sim.add_node(num_cpus=2, labels={"zone": z}) for z in "ab"]
-    try:
-        ray.init(address=sim.address, logging_level="WARNING")
-        c = Cluster()
+    """Two worker nodes of 2 CPUs labelled zone=a and zone=b (``conftest.multi_node``)."""
+    with multi_node(2, 2, labels=[{"zone": "a"}, {"zone": "b"}]) as (c, _sim, nodes):
         yield c, nodes
-        c.shutdown()
-    finally:
-        ray.shutdown()
-        sim.shutdown()
 
 
 @pytest.mark.timeout(420)

@@ -14,6 +14,7 @@ import os
 import signal
 
 import pytest
+from conftest import multi_node
 
 import rlkit
 from rlkit.errors import WorkerError
@@ -85,8 +86,11 @@ def test_a_killed_rank_is_replaced_and_the_run_equals_the_uninterrupted_one(tmp_
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_killed_rollout_worker_is_replaced_in_split_placement(tmp_path, ray_cluster):
+@pytest.mark.parametrize("lost", ["rollout_worker", "actor_with_one_step_off_in_flight"])
+def test_a_killed_worker_is_replaced_in_split_placement(tmp_path, ray_cluster, lost):
     kw = dict(plan=rlkit.ParallelPlan(), placement="split", rollout_workers=1)
+    if lost != "rollout_worker":  # a generation in flight when the actor goes: the checkpoint's, trained next
+        kw["off_policy_steps"] = 1
     ref = _trainer(ray_cluster, tmp_path / "ref", **kw)
     try:
         want = ref.fit(steps=3, view="none")
@@ -94,7 +98,7 @@ def test_a_killed_rollout_worker_is_replaced_in_split_placement(tmp_path, ray_cl
         ref.close()
     tr = _trainer(ray_cluster, tmp_path / "run", checkpoint_every=1, max_restarts=2, **kw)
     try:
-        tr.callbacks.append(_kill_at(tr, tr.rollout_group, step=2))
+        tr.callbacks.append(_kill_at(tr, tr.rollout_group if lost == "rollout_worker" else tr.group, step=2))
         got = tr.fit(steps=3, view="none")
         [r] = tr.restarts
         assert (r["failed_step"], r["from_step"]) == (3, 2), r
@@ -108,19 +112,7 @@ def test_a_killed_rollout_worker_is_replaced_in_split_placement(tmp_path, ray_cl
 def test_a_lost_node_is_replaced_by_the_nodes_left(tmp_path, ray_session_end):
     """Ray's own multi-node test cluster (each node a raylet process of its own): the run's ranks on one node,
     that node's raylet removed (its workers die with it), the run restarted on the other node."""
-    import ray
-    from ray.cluster_utils import Cluster as SimCluster
-
-    from rlkit.cluster import Cluster
-
-    current = Cluster.current()
-    if current is not None:
-        current.shutdown()
-    sim = SimCluster(initialize_head=True, head_node_args={"num_cpus": 0})  # the head runs no ranks
-    nodes = [sim.add_node(num_cpus=2) for _ in range(2)]
-    try:
-        ray.init(address=sim.address, logging_level="WARNING")
-        c = Cluster()
+    with multi_node(2, 2) as (c, sim, nodes):
         assert c.num_nodes == 3 and c.num_devices == 4
         plan = rlkit.ParallelPlan(dp=2)
         ref = _trainer(c, tmp_path / "ref", plan=plan)
@@ -146,10 +138,6 @@ def test_a_lost_node_is_replaced_by_the_nodes_left(tmp_path, ray_session_end):
             _same_metrics(got, want)
         finally:
             tr.close()
-        c.shutdown()
-    finally:
-        ray.shutdown()
-        sim.shutdown()
 
 
 @pytest.mark.slow
@@ -159,19 +147,7 @@ def test_a_restart_with_no_room_left_gives_up_after_its_timeout_naming_the_check
     none comes, and the run stops with the lost worker's error and the checkpoint it kept."""
     import time
 
-    import ray
-    from ray.cluster_utils import Cluster as SimCluster
-
-    from rlkit.cluster import Cluster
-
-    current = Cluster.current()
-    if current is not None:
-        current.shutdown()
-    sim = SimCluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    nodes = [sim.add_node(num_cpus=2)]
-    try:
-        ray.init(address=sim.address, logging_level="WARNING")
-        c = Cluster()
+    with multi_node(2) as (c, sim, nodes):
         tr = _trainer(c, tmp_path / "run", plan=rlkit.ParallelPlan(dp=2), checkpoint_every=1, max_restarts=2,
                       restart_timeout_s=10)
         try:
@@ -188,7 +164,3 @@ def test_a_restart_with_no_room_left_gives_up_after_its_timeout_naming_the_check
             assert json.loads((tmp_path / "run" / "checkpoint" / "trainer.json").read_text())["step"] == 1
         finally:
             tr.close()
-        c.shutdown()
-    finally:
-        ray.shutdown()
-        sim.shutdown()
