@@ -164,3 +164,50 @@ def test_a_restart_with_no_room_left_gives_up_after_its_timeout_naming_the_check
             assert json.loads((tmp_path / "run" / "checkpoint" / "trainer.json").read_text())["step"] == 1
         finally:
             tr.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_restart_waits_for_a_replacement_node_and_goes_on_there(tmp_path, ray_session_end, monkeypatch):
+    """The run's only worker node removed; a replacement node joins 5 s later (a raylet of its own, as an
+    operator or an autoscaler would add): the restart waits for it and the run goes on there, equal to an
+    uninterrupted run."""
+    import threading
+    import time
+
+    import ray._private.utils
+
+    with multi_node(2) as (c, sim, nodes):
+        plan = rlkit.ParallelPlan(dp=2)
+        ref = _trainer(c, tmp_path / "ref", plan=plan)
+        try:
+            want = ref.fit(steps=3, view="none")
+        finally:
+            ref.close()
+        # The replacement joins from a thread while the main thread waits in the restart. Ray's in-process node
+        # registers a SIGTERM handler, which Python allows on the main thread only: that registration is skipped.
+        # Its raylet dies with the thread that started it (the parent-death signal follows the thread), so the
+        # thread lives until the test ends.
+        monkeypatch.setattr(ray._private.utils, "set_sigterm_handler", lambda handler: None)
+        done = threading.Event()
+
+        def join_a_node_later():
+            time.sleep(5.0)
+            nodes.append(sim.add_node(num_cpus=2))
+            done.wait(600)
+
+        tr = _trainer(c, tmp_path / "run", plan=plan, checkpoint_every=1, max_restarts=1, restart_timeout_s=120)
+        try:
+            def lose_node_then_replace(_trainer, row):
+                if row["step"] == 1 and len(nodes) == 1:
+                    sim.remove_node(nodes.pop())
+                    threading.Thread(target=join_a_node_later, daemon=True).start()
+            tr.callbacks.append(lose_node_then_replace)
+            got = tr.fit(steps=3, view="none")
+            [r] = tr.restarts
+            assert (r["failed_step"], r["from_step"]) == (2, 1) and r["seconds"] >= 5, r  # it waited for the node
+            assert set(tr.group.table()["node"]) == {nodes[0].node_id[:8]}  # on the replacement
+            _same_metrics(got, want)
+        finally:
+            tr.close()
+            done.set()
