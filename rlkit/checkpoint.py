@@ -245,6 +245,16 @@ def _check_shapes(folder: Path, meta: Any, shapes: dict[str, tuple[int, ...]], m
                           f"from (\"model\" in trainer.json), or load a checkpoint of this model")
 
 
+def saved_backend(state: dict[str, Any]) -> str:
+    """The name of the training backend a checkpoint's ``trainer.json`` state was saved by ("torch" when unset).
+
+    >>> saved_backend({"config": {"backend": {"name": "deepspeed", "zero_stage": 3}}}), saved_backend({"config": {}})
+    ('deepspeed', 'torch')
+    """
+    backend = (state.get("config") or {}).get("backend") or "torch"
+    return backend.get("name") if isinstance(backend, dict) else backend
+
+
 def check_checkpoint(path: str | os.PathLike, state: dict[str, Any], model_path: str, world_size: int,
                      roles: Iterable[tuple[str, str]] = (("actor", "lm"),)) -> None:
     """Everything the driver can check before workers start: ``check_model``, then ``check_shards`` with
@@ -252,8 +262,7 @@ def check_checkpoint(path: str | os.PathLike, state: dict[str, Any], model_path:
     path = Path(path).absolute()
     check_model(path, state, model_path)
     lora = (state.get("config") or {}).get("lora")
-    backend = (state.get("config") or {}).get("backend") or "torch"
-    if (backend.get("name") if isinstance(backend, dict) else backend) != "torch":
+    if saved_backend(state) != "torch":
         # Megatron-Core's and DeepSpeed's files are their own format: each backend's load names a missing one
         for role, _head in roles:
             if not (path / role).is_dir():
@@ -296,8 +305,7 @@ def load_plan(path: str | os.PathLike, state: dict[str, Any], saved: Any, plan: 
     if not isinstance(plan, ParallelPlan):
         raise CheckpointError(f"Trainer.load(..., plan={plan!r}): plan must be an rlkit.ParallelPlan, e.g. "
                               f"plan=rlkit.ParallelPlan(tp=2)")
-    backend = (state.get("config") or {}).get("backend") or "torch"
-    name = backend.get("name") if isinstance(backend, dict) else backend
+    name = saved_backend(state)
     if name != "torch" and plan.layout() != saved.layout():
         raise CheckpointError(f"{Path(path) / 'trainer.json'} was saved by the {name} backend under "
                               f"{saved.describe()}; its files are {name}'s own format, which rlkit reshards only "

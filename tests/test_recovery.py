@@ -32,6 +32,15 @@ def _trainer(cluster, run_dir, **kw):
                    rollout=rlkit.Rollout(engine="hf", n=2, max_new_tokens=4), prompts_per_step=2, cluster=cluster, **kw)
 
 
+def _uninterrupted(cluster, run_dir, steps, **kw):
+    """The metrics of a run of the same seed that loses nothing: what a recovered run must equal."""
+    ref = _trainer(cluster, run_dir, **kw)
+    try:
+        return ref.fit(steps=steps, view="none")
+    finally:
+        ref.close()
+
+
 def _kill_at(trainer, group, step):
     """A callback that SIGKILLs rank 1 of ``group`` (rank 0 if it has one rank) at the end of ``step``, once (the
     restarted run takes that step again)."""
@@ -54,11 +63,7 @@ def _same_metrics(got, want):
 @pytest.mark.timeout(600)
 def test_a_killed_rank_is_replaced_and_the_run_equals_the_uninterrupted_one(tmp_path, ray_cluster):
     plan = rlkit.ParallelPlan(dp=2)
-    ref = _trainer(ray_cluster, tmp_path / "ref", plan=plan)
-    try:
-        want = ref.fit(steps=4, view="none")
-    finally:
-        ref.close()
+    want = _uninterrupted(ray_cluster, tmp_path / "ref", 4, plan=plan)
 
     tr = _trainer(ray_cluster, tmp_path / "run", plan=plan, checkpoint_every=2, max_restarts=1)
     try:
@@ -91,11 +96,7 @@ def test_a_killed_worker_is_replaced_in_split_placement(tmp_path, ray_cluster, l
     kw = dict(plan=rlkit.ParallelPlan(), placement="split", rollout_workers=1)
     if lost != "rollout_worker":  # a generation in flight when the actor goes: the checkpoint's, trained next
         kw["off_policy_steps"] = 1
-    ref = _trainer(ray_cluster, tmp_path / "ref", **kw)
-    try:
-        want = ref.fit(steps=3, view="none")
-    finally:
-        ref.close()
+    want = _uninterrupted(ray_cluster, tmp_path / "ref", 3, **kw)
     tr = _trainer(ray_cluster, tmp_path / "run", checkpoint_every=1, max_restarts=2, **kw)
     try:
         tr.callbacks.append(_kill_at(tr, tr.rollout_group if lost == "rollout_worker" else tr.group, step=2))
@@ -115,11 +116,7 @@ def test_a_lost_node_is_replaced_by_the_nodes_left(tmp_path, ray_session_end):
     with multi_node(2, 2) as (c, sim, nodes):
         assert c.num_nodes == 3 and c.num_devices == 4
         plan = rlkit.ParallelPlan(dp=2)
-        ref = _trainer(c, tmp_path / "ref", plan=plan)
-        try:
-            want = ref.fit(steps=3, view="none")
-        finally:
-            ref.close()
+        want = _uninterrupted(c, tmp_path / "ref", 3, plan=plan)
         tr = _trainer(c, tmp_path / "run", plan=plan, checkpoint_every=1, max_restarts=1)
         try:
             where = set(tr.group.table()["node"])
@@ -179,11 +176,7 @@ def test_a_restart_waits_for_a_replacement_node_and_goes_on_there(tmp_path, ray_
 
     with multi_node(2) as (c, sim, nodes):
         plan = rlkit.ParallelPlan(dp=2)
-        ref = _trainer(c, tmp_path / "ref", plan=plan)
-        try:
-            want = ref.fit(steps=3, view="none")
-        finally:
-            ref.close()
+        want = _uninterrupted(c, tmp_path / "ref", 3, plan=plan)
         # The replacement joins from a thread while the main thread waits in the restart. Ray's in-process node
         # registers a SIGTERM handler, which Python allows on the main thread only: that registration is skipped.
         # Its raylet dies with the thread that started it (the parent-death signal follows the thread), so the

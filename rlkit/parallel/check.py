@@ -57,6 +57,21 @@ def ppo_loss(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor], clip: fl
     return (pg * mask).sum() / denom - entropy_coef * (out["entropy"] * mask).sum() / denom
 
 
+def step_batches(ref: nn.Module, steps: int, n: int, seq_len: int, seed: int, ragged: bool = False,
+                 old_logprobs: bool = True) -> list[dict[str, torch.Tensor]]:
+    """``steps`` batches of ``n`` rows (``make_batch``, seeded ``seed + step``), each with old log-probs: the
+    reference model's, slightly perturbed (ratio != 1), so the clipped objective has something to clip."""
+    batches = []
+    for s in range(steps):
+        b = make_batch(n, seq_len, ref.config.vocab_size, seed=seed + s, ragged=ragged)
+        if old_logprobs:
+            with torch.no_grad():
+                old = reference_forward(ref, None, b)["logprobs"]
+            b["old_logprobs"] = old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(s))
+        batches.append(b)
+    return batches
+
+
 def value_loss(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> torch.Tensor:
     mask = mb["response_mask"].float()
     return ((out["values"] - mb["returns"]) ** 2 * mask).sum() / mask.sum().clamp(min=1)
@@ -152,14 +167,7 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     m = plan.n_micro_batches
 
     n = plan.dp * m * micro_batch_size
-    batches = []
-    for s in range(steps):
-        b = make_batch(n, seq_len, ref.config.vocab_size, seed=seed + s, ragged=padding_free)
-        with torch.no_grad():  # old log-probs: the reference's, slightly perturbed (ratio != 1)
-            old = reference_forward(ref, None, b)["logprobs"] if head == "lm" else None
-        if old is not None:
-            b["old_logprobs"] = old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(s))
-        batches.append(b)
+    batches = step_batches(ref, steps, n, seq_len, seed, ragged=padding_free, old_logprobs=head == "lm")
 
     def ref_step(b, do_step=True):
         # the plan's micro-batches; padding-free: the whole batch (its objective is the step's token mean)
@@ -324,13 +332,7 @@ def run_reshard_check(model: Any, plan: ParallelPlan, load_from: str, *, steps: 
     ref_params = list(ref.parameters())
     ref_opt = torch.optim.AdamW(ref_params, lr=lr, weight_decay=0.01, eps=1e-6, foreach=False)
     n = plan.dp * plan.n_micro_batches * micro_batch_size
-    batches = []
-    for s in range(steps):
-        b = make_batch(n, seq_len, ref.config.vocab_size, seed=seed + s)
-        with torch.no_grad():
-            old = reference_forward(ref, None, b)["logprobs"]
-        b["old_logprobs"] = old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(s))
-        batches.append(b)
+    batches = step_batches(ref, steps, n, seq_len, seed)
 
     def ref_step(b: dict[str, torch.Tensor]) -> float:
         chunks = [c for d in split_rows(b, plan.dp) for c in split_rows(d, plan.n_micro_batches)]

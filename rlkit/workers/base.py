@@ -81,6 +81,7 @@ class BaseWorkerGroup:
     _owner: Any = None
     _closed: bool = False
     _broken: str | None = None
+    _lost: bool = False  # torn down because a rank's process died (WorkerError.lost)
 
     # ---- implemented by subclasses -------------------------------------------------------------
     def call_async(self, method: str | Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -130,7 +131,7 @@ class BaseWorkerGroup:
     def _check_usable(self) -> None:
         if self._broken:
             raise WorkerError(f"this group was torn down: {self._broken}; make a new {type(self).__name__}",
-                              lost="died" in self._broken)
+                              lost=self._lost)
         if self._closed:
             raise WorkerError(f"this group was shut down; make a new {type(self).__name__}")
 

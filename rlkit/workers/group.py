@@ -471,7 +471,7 @@ class WorkerGroup(BaseWorkerGroup):
         if dead:
             rank, e = min(dead, key=lambda x: x[0])
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            self._broken = f"rank {rank} died during {what!r}"
+            self._broken, self._lost = f"rank {rank} died during {what!r}", True
             self.shutdown(polite=False)
             return WorkerError(f"the worker process died during {what!r} (killed, out of memory or crashed): "
                                f"{reason}{also}. The group was shut down; the cluster is still usable, make a "
