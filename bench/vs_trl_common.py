@@ -248,6 +248,10 @@ def run_one(run: dict, model: str, steps: int, log: Path, timeout_s: float, extr
     if "--threads" in extra:  # the OpenMP pool is sized at torch's import: set it before, too
         env["OMP_NUM_THREADS"] = extra[list(extra).index("--threads") + 1]
     env.pop("VIRTUAL_ENV", None)
+    # a shell that sets PYTHONDONTWRITEBYTECODE (this sandbox's does) leaves a venv without bytecode caches: every
+    # run then compiles its imports from source (rlkit's venv, made under that shell, took 3.9 s to import
+    # instead of 1.3 s, while TRL's had its caches). Both sides may write and read their caches, as `make` lets them
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     env.update(run.get("env", {}))  # e.g. PYTHONPATH of another commit's checkout (bench_vs_trl --base)
     load = os.getloadavg()[0]  # another session on the same cores shows here (steps/s then drops)
     t0 = time.perf_counter()
