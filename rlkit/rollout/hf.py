@@ -140,6 +140,10 @@ class _SeededSampling(LogitsProcessor):
         probs = self.probs(logits)
         rows, V = probs.shape
         blk = self.BLOCK
+        if V <= 16 * blk:  # a small vocabulary: one cumulative sum costs less than the two levels' extra calls
+            cdf = probs.cumsum(-1, dtype=torch.float64)
+            u = self._uniform().to(cdf.device)[:, None] * cdf[:, -1:]  # the total is 1 up to float32 rounding
+            return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=V - 1)
         p = (F.pad(probs, (0, -V % blk)) if V % blk else probs).view(rows, -1, blk)  # the padding has no mass
         mass = p.sum(-1).double()  # (rows, blocks)
         outer = mass.cumsum(-1)
