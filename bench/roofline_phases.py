@@ -3,26 +3,25 @@
     .venv/bin/python bench/roofline_phases.py --steps 3                          # 2 threads, 2 epochs
     .venv/bin/python bench/roofline_phases.py --steps 4 --threads 1 --epochs 1   # bench_task_vs_trl's work
     .venv/bin/python bench/roofline_phases.py --precision fp32
+    .venv/bin/python bench/roofline_phases.py --steps 4 --threads 1 --epochs 1 --plot bench/roofline.png
 
 The work: SmolLM2-135M-Instruct on reasoning-gym's ``basic_arithmetic`` in a chat, 4 questions x 8 samples x
 48 tokens, GRPO (``--epochs 2``: a second pass over the batch, so an old-log-prob pass), the HF engine. What each
-phase must do is counted from the step's batch (its real tokens) with ``ModelSpec.flops_per_token`` at the
-step's mean context; the vocab head counts on the response's tokens only (rlkit scores those alone; generation
-computes a head per new token).
+phase must do is counted from the step's batch (its real tokens) by the planner's ``rl_step_work``
+(``rlkit.plan.throughput``): prefill once per distinct prompt and a forward per new token for generate, which
+also reads every weight once a decode step; one forward for old_logprobs; three forwards per epoch and AdamW's
+28 bytes a parameter for the update; the vocab head where it runs.
 
-- **generate:** prefill (each distinct prompt once: its n samples share it) and decode (a forward per new
-  token). Decode also reads every weight once a step (a batch shares the read): its floor is the larger of
-  the FLOPs at the peak and ``steps x weight bytes`` at the bandwidth.
-- **old_logprobs:** one forward over prompt + response tokens.
-- **update:** forward + backward (3 forwards' FLOPs) per epoch, plus AdamW's bytes once per optimizer step
-  (fp32 weight, grad and two moments read, weight and moments written: 28 bytes a parameter).
-
-The floor of a phase is the least time this machine can take for it: its FLOPs at the bf16 (or fp32) matmul
-peak, or its bytes at the copy bandwidth, whichever is longer. Both roofs are measured in this run
+The floor of a phase is the least time this machine can take for it (``phase_floors``): its FLOPs at the bf16 (or
+fp32) matmul peak and its bytes at the copy bandwidth, the longer of the two for generate, their sum for the
+others. Both roofs are measured in this run
 (``bench/roofline.py``'s tables) at the same thread count. "of roofline" is floor / measured. "planner floor"
 is the planner's generation model (``rlkit.plan.throughput.estimate_generation``) on the same roofs at full
 efficiency (``mfu=1``, ``bw_efficiency=1``): decode steps only, each the larger of its bytes (weights and the
 KV cache) and its FLOPs; prefill is not in it.
+
+``--plot PNG`` draws the roofline: the measured roof (``min(peak, intensity x bandwidth)``) over arithmetic
+intensity (FLOPs per byte that must move), and each phase where it ran (its median GFLOP/s at its intensity).
 """
 
 from __future__ import annotations
@@ -40,9 +39,7 @@ from roofline import matmul_table, memory_table  # noqa: E402
 
 import rlkit  # noqa: E402
 from rlkit.plan import ModelSpec  # noqa: E402
-from rlkit.plan.throughput import estimate_generation  # noqa: E402
-
-ADAMW_BYTES = 28  # per parameter and optimizer step: fp32 weight, grad, m, v read; weight, m, v written
+from rlkit.plan.throughput import estimate_generation, phase_floors, rl_step_work  # noqa: E402
 
 
 def main() -> None:
@@ -51,6 +48,7 @@ def main() -> None:
     p.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "fp32"])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--plot", default=None, help="draw the roofline and each phase on it into this PNG")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -75,27 +73,21 @@ def main() -> None:
             prompt_tokens = int(s.attention_mask.sum() - s.response_mask.sum())
             new_tokens = int(s.response_mask.sum())
             decode_steps = int(s.response_mask.sum(-1).max())  # the batch decodes as long as its longest answer
-            context = int(s.attention_mask.sum(-1).float().mean())
-            head = 2 * spec.hidden_size * spec.vocab_size
-            fwd = spec.flops_per_token(context) - head  # a token's forward without the vocab head
-            once = fwd * (prompt_tokens + new_tokens) + head * new_tokens  # a scoring forward
             batch = tr.estimate(batch)
             row = tr.update(batch)
             t = {k.split("/", 1)[1]: v for k, v in row.items() if k.startswith("timing/")}
-            work = {  # phase: (FLOPs, bytes that must move at least)
-                "generate": ((fwd + head) * (prompt_tokens / n + new_tokens), decode_steps * weight_bytes),
-                "old_logprobs": (once, 0.0),
-                "update": (3 * once * a.epochs, ADAMW_BYTES * spec.num_params * a.epochs)}
+            work = rl_step_work(spec, samples=len(s), prompt_len=prompt_tokens / len(s), n=n,
+                                response_len=new_tokens / len(s), decode_steps=decode_steps, epochs=a.epochs,
+                                dtype_bytes=weight_bytes // spec.num_params)  # phase: (FLOPs, bytes that must move)
             # the planner's generation model on this machine's roofs at full efficiency: its decode steps only
             planner = estimate_generation(spec, gpu={"bf16_flops": roof, "hbm_bw": bandwidth}, batch=len(s),
                                           prompt_len=round(prompt_tokens / len(s)), response_len=decode_steps,
                                           dtype_bytes=weight_bytes // spec.num_params, bw_efficiency=1.0, mfu=1.0)
+            floors = phase_floors(work, flops_per_s=roof, bytes_per_s=bandwidth)
             for phase, (flops, nbytes) in work.items():
                 if not t.get(phase):
                     continue
-                # decode's weight reads bound it alone (max); AdamW's bytes follow the backward (sum)
-                floor = max(flops / roof, nbytes / bandwidth) if phase == "generate" else \
-                    flops / roof + nbytes / bandwidth
+                floor = floors[phase]
                 rows.append({"phase": phase, "seconds": t[phase], "GFLOP": flops / 1e9, "GB": nbytes / 1e9,
                              "GFLOP/s": flops / t[phase] / 1e9, "floor s": floor, "of roofline": floor / t[phase],
                              "planner floor s": planner["seconds_per_rollout_batch"] if phase == "generate"
@@ -103,7 +95,37 @@ def main() -> None:
     df = pd.DataFrame(rows)
     print(f"roof: {roof / 1e9:.0f} GFLOP/s ({a.precision}), {bandwidth / 1e9:.1f} GB/s; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, epochs {a.epochs}")
-    print(df.groupby("phase", sort=False).agg(statistics.median).round(3).to_string())
+    table = df.groupby("phase", sort=False).agg(statistics.median)
+    print(table.round(3).to_string())
+    if a.plot:
+        plot(table, roof, bandwidth, f"{a.precision}, {torch.get_num_threads()} thread(s), epochs {a.epochs}", a.plot)
+
+
+def plot(table: pd.DataFrame, roof: float, bandwidth: float, title: str, path: str) -> None:
+    """The roofline (GFLOP/s against FLOPs per byte) and each phase's median on it, saved to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    intensity = table["GFLOP"] / table["GB"].where(table["GB"] > 0)  # FLOPs per byte (a phase with no byte
+    ridge = roof / bandwidth  # floor sits at the ridge's right, compute-bound)
+    intensity = intensity.fillna(ridge * 30)
+    xs = [min(ridge / 30, intensity.min() / 2), ridge, max(ridge * 30, intensity.max() * 2)]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(xs, [min(roof, x * bandwidth) / 1e9 for x in xs], color="black", lw=1.5,
+            label=f"roof: {roof / 1e9:.0f} GFLOP/s, {bandwidth / 1e9:.1f} GB/s")
+    for (phase, row), x in zip(table.iterrows(), intensity):
+        ax.scatter([x], [row["GFLOP/s"]], s=40, zorder=3)
+        ax.annotate(f"{phase}: {row['of roofline']:.0%} of its floor", (x, row["GFLOP/s"]),
+                    textcoords="offset points", xytext=(6, -12), fontsize=8)
+    ax.set(xscale="log", yscale="log", xlabel="FLOPs per byte that must move", ylabel="GFLOP/s",
+           title=f"A GRPO step's phases on this machine's roofline ({title})")
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"roofline plot: {path}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ follow from the stated formulas, and clear errors."""
 import pytest
 
 from rlkit.errors import PlanError
-from rlkit.plan import GPUS, ParallelPlan, as_spec, estimate_generation
+from rlkit.plan import GPUS, ParallelPlan, as_spec, estimate_generation, phase_floors, rl_step_work
 from rlkit.plan.search import recommend, search_plans
 
 
@@ -25,6 +25,31 @@ def test_generation_is_memory_bound_hand_computed():
     assert estimate_generation(spec, batch=64)["tokens_per_s"] > 20 * r["tokens_per_s"]
     assert estimate_generation(spec, batch=1, tp=2)["weight_bytes_per_gpu"] == pytest.approx(r["weight_bytes_per_gpu"] / 2)
     assert estimate_generation(spec, gpu="H200", batch=1)["tokens_per_s"] > r["tokens_per_s"]  # 4.8 vs 3.35 TB/s
+
+
+def test_rl_step_work_and_floors_hand_computed():
+    # qwen2.5-7b's config by hand: hidden 3584, 28 layers, 28 heads and 4 KV heads of 128, MLP 18944, vocab
+    # 152064. Matmul params a layer: q and o 3584^2 each, k and v 3584 x 512 each, MLP 3 x 3584 x 18944, and
+    # q/k/v biases 3584 + 2 x 512: 233,050,624; x 28 = 6,525,417,472. Head 3584 x 152064 = 544,997,376. A
+    # forward at context c (no head): 2 x 6,525,417,472 + 4 x 28 x c x 3584 (QK^T and AV). 16 samples (2
+    # prompts of n=8) of 100 + 50 tokens.
+    layers = 28 * (2 * 3584**2 + 2 * 3584 * 512 + 3 * 3584 * 18944 + 3584 + 2 * 512)
+    head = 3584 * 152064
+    fwd = 2 * layers + 4 * 28 * 150 * 3584
+    work = rl_step_work("qwen2.5-7b", samples=16, prompt_len=100, response_len=50, n=8, epochs=2)
+    generate = fwd * 2 * 100 + 2 * head * 2 + (fwd + 2 * head) * 16 * 50  # prefill per prompt, its last token's head
+    once = fwd * 16 * 150 + 2 * head * 16 * 50  # a scoring forward: the head on the 800 response tokens
+    assert work["generate"] == (pytest.approx(generate, rel=1e-9), 50 * 7_615_616_512 * 2)
+    assert work["old_logprobs"] == (pytest.approx(once, rel=1e-9), 0.0)
+    assert work["update"] == (pytest.approx(3 * once * 2, rel=1e-9), 28 * 7_615_616_512 * 2)
+    assert "old_logprobs" not in rl_step_work("qwen2.5-7b", samples=16, prompt_len=100, response_len=50)
+    floors = phase_floors(work, flops_per_s=1e15, bytes_per_s=1e12)
+    assert floors["generate"] == pytest.approx(max(generate / 1e15, 50 * 7_615_616_512 * 2 / 1e12))
+    assert floors["update"] == pytest.approx(6 * once / 1e15 + 56 * 7_615_616_512 / 1e12)
+    with pytest.raises(PlanError, match="samples=0"):
+        rl_step_work("qwen2.5-7b", samples=0, prompt_len=100, response_len=50)
+    with pytest.raises(PlanError, match="response_len=-1"):
+        rl_step_work("qwen2.5-7b", samples=8, prompt_len=100, response_len=-1)
 
 
 # ---- training throughput --------------------------------------------------------------------------

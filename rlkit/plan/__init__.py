@@ -20,7 +20,9 @@ from rlkit.plan.throughput import (
     estimate_generation,
     estimate_rl_step,
     estimate_throughput,
+    phase_floors,
     predict_rl_step,
+    rl_step_work,
 )
 from rlkit.plan.topology import SCHEDULES, SHARDING, ParallelPlan
 from rlkit.plan.units import parse_bytes
@@ -29,6 +31,7 @@ __all__ = ["ModelSpec", "ParallelPlan", "SCHEDULES", "SHARDING", "as_spec", "bun
            "LoraSpec", "lora_params",
            "pipeline_order", "pipeline_timeline", "bubble_fraction", "idle_fraction", "peak_in_flight",
            "GPUS", "NETWORKS", "estimate_throughput", "estimate_generation", "estimate_rl_step", "predict_rl_step",
+           "rl_step_work", "phase_floors",
            "search_plans", "recommend", "Recommendation",
            "backend_memory", "estimate_memory", "explain_fit", "compare_memory", "parse_bytes", "RolloutMemory",
            "estimate_communication", "estimate_resharding", "GenerationLayout", "BANDWIDTHS"]

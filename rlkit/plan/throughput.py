@@ -522,6 +522,70 @@ def estimate_generation(model: Any, *, gpu: str | dict = "H100", tp: int = 1, ba
     }
 
 
+ADAMW_BYTES = 28  # per parameter and optimizer step: fp32 weight, grad, m, v read; weight, m, v written
+
+
+def rl_step_work(model: Any, *, samples: int, prompt_len: float, response_len: float, n: int = 1,
+                 decode_steps: int | None = None, epochs: int = 1, dtype_bytes: int = 2
+                 ) -> dict[str, tuple[float, float]]:
+    """What each phase of one RL step must do, counted from its real tokens: ``{phase: (FLOPs, bytes)}``,
+    the bytes being what must move at least (weights streamed by decode, AdamW's state).
+
+    ``samples`` sequences of ``prompt_len`` + ``response_len`` tokens on average, ``n`` samples per prompt.
+    A token's forward is ``ModelSpec.flops_per_token`` at the mean context without the vocab head, which
+    is counted where it runs:
+
+    - **generate**: each distinct prompt prefilled once (its ``n`` samples share it; the head on its last
+      token only), then a forward and the head per new token. Every weight (``dtype_bytes`` each) is read
+      once per decode step, ``decode_steps`` of them (default ``response_len``: a batch decodes as long as
+      its longest answer).
+    - **old_logprobs** (``epochs > 1``: a second pass needs the log-probs before the first): one forward over
+      every token, the head on response tokens only (rlkit scores those alone).
+    - **update**: forward + backward (three forwards) per epoch, and AdamW's ``ADAMW_BYTES`` per parameter.
+
+    ``phase_floors`` turns this into the least seconds a machine can take for each phase
+    (``bench/roofline_phases.py`` holds each phase's measured seconds against them).
+
+    >>> w = rl_step_work("qwen2.5-7b", samples=32, prompt_len=512, response_len=512, n=8)
+    >>> f"{w['generate'][1] / 1e12:.1f} TB"          # 512 decode steps, each reading ~15 GB of bf16 weights
+    '7.8 TB'
+    """
+    from rlkit.plan.spec import as_spec
+
+    spec = as_spec(model)
+    for name, value in (("samples", samples), ("n", n), ("epochs", epochs)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanError(f"{name}={value!r} must be a positive integer")
+    for name, value in (("prompt_len", prompt_len), ("response_len", response_len)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise PlanError(f"{name}={value!r} must be a number of tokens >= 0")
+    head = 2 * spec.hidden_size * spec.vocab_size
+    fwd = spec.flops_per_token(int(prompt_len + response_len)) - head  # a token's forward without the head
+    prompts, new = samples / n, samples * response_len
+    once = fwd * samples * (prompt_len + response_len) + head * new  # a scoring forward
+    steps = response_len if decode_steps is None else decode_steps
+    work = {"generate": (fwd * prompts * prompt_len + head * prompts + (fwd + head) * new,
+                         steps * spec.num_params * dtype_bytes)}
+    if epochs > 1:
+        work["old_logprobs"] = (once, 0.0)
+    work["update"] = (3 * once * epochs, ADAMW_BYTES * spec.num_params * epochs)
+    return work
+
+
+def phase_floors(work: dict[str, tuple[float, float]], *, flops_per_s: float, bytes_per_s: float) -> dict[str, float]:
+    """The least seconds each phase of ``rl_step_work`` can take at a matmul peak and a memory bandwidth:
+    generate the longer of its FLOPs and its weight reads (they overlap: a decode step streams the weights
+    into its matmuls), the others the sum (AdamW's bytes move after the backward).
+
+    >>> w = rl_step_work("qwen2.5-7b", samples=32, prompt_len=512, response_len=512, n=8)
+    >>> gpu = GPUS["H100"]                  # decode at batch 32 waits on memory there: 2.33 s of reads, 0.27 of math
+    >>> {k: round(v, 2) for k, v in phase_floors(w, flops_per_s=gpu["bf16_flops"], bytes_per_s=gpu["hbm_bw"]).items()}
+    {'generate': 2.33, 'update': 1.46}
+    """
+    return {phase: max(f / flops_per_s, b / bytes_per_s) if phase == "generate" else f / flops_per_s + b / bytes_per_s
+            for phase, (f, b) in work.items()}
+
+
 OLD_LOGPROB_IN = ("off_policy", "sync", "all")   # which loops pay the separate pi_old scoring pass
 
 
