@@ -22,8 +22,11 @@ else "$VENV/bin/pip" install -q torch==2.13.0; fi
 
 pins=()
 if [ -x .venv/bin/python ]; then
-  read -r tf acc < <(.venv/bin/python -c "import transformers, accelerate; print(transformers.__version__, accelerate.__version__)")
-  pins+=("transformers==$tf" "accelerate==$acc")
+  read -r tf acc pf < <(.venv/bin/python -c "import transformers, accelerate, peft
+print(transformers.__version__, accelerate.__version__, peft.__version__)")
+  pins+=("transformers==$tf" "accelerate==$acc" "peft==$pf")
+else
+  pins+=(peft)  # TRL's LoRA path (bench_vs_trl.py --lora)
 fi
 "$VENV/bin/pip" install -q 'trl==1.16.0' datasets "${pins[@]}" py-spy
 "$VENV/bin/python" -c "import trl, transformers, torch; print('trl', trl.__version__, 'transformers', transformers.__version__, 'torch', torch.__version__)" | tee "$STAMP"
