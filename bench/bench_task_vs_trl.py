@@ -4,6 +4,7 @@ held-out evaluation of both trained models.
     bash bench/setup_trl.sh                                  # once: TRL 1.16 in .venv-trl (git-ignored)
     .venv/bin/python bench/bench_task_vs_trl.py              # 2 rounds x 6 steps, then the held-out evaluation
     .venv/bin/python bench/bench_task_vs_trl.py --rounds 3 --steps 10 --eval-n 200
+    .venv/bin/python bench/bench_task_vs_trl.py --rounds 3 --seed-per-round   # round r under seed r, both sides
     .venv/bin/python bench/bench_task_vs_trl.py --rounds 1 --steps 2 --warmup 1 --eval-n 8   # a smoke test
 
 The work (``vs_trl_common.TASK``), identical on both sides: SmolLM2-135M-Instruct on reasoning-gym's
@@ -18,6 +19,9 @@ gradient_accumulation_steps=1, num_iterations=1, beta=0, gradient_checkpointing=
 on the same rows: the driver writes the task's 1000 train rows and the order rlkit's sampler visits them in;
 TRL gets them in that order with ``shuffle_dataset=False``, so each step trains on the same 4 questions on both
 sides (checked: the questions each side's reward saw, step by step). The samples differ (each side's own RNG).
+Under one seed every round repeats the same draw on each side, sampled lengths included; ``--seed-per-round``
+runs round r under seed r on both sides (the rows, their order and the sampling), so medians average over
+draws.
 
 Each run is its own process; runs are interleaved, the order rotating each round; steps/s is over the steps
 after ``--warmup`` (2); medians over rounds; per-step phase medians from rlkit's ``timing/*`` metrics and
@@ -58,15 +62,15 @@ def ensure_verifier(trl_python: str) -> None:
     subprocess.run([trl_python, "-m", "pip", "install", "-q", *pins], check=True)
 
 
-def write_rows(path: Path, steps: int) -> list[list[str]]:
-    """The task's train rows and the order rlkit's default sampler visits them in over ``steps`` steps, as JSON
-    for both workers; returns each step's questions."""
+def write_rows(path: Path, steps: int, seed: int) -> list[list[str]]:
+    """The task's train rows and the order rlkit's default sampler visits them in over ``steps`` steps under
+    ``seed``, as JSON for both workers; returns each step's questions."""
     from rlkit.sampler import EpochSampler
 
     rows = [{"prompt": r["prompt"], "question": r["question"], "answer": str(r["answer"])}
             for r in reasoning_task().dataset(n=TASK["train_rows"], seed=TASK["seed"], split="train")]
     k = TASK["prompts_per_step"]
-    chosen = [EpochSampler().choose(rnd=s, k=k, n=len(rows), seed=TASK["seed"]) for s in range(steps)]
+    chosen = [EpochSampler().choose(rnd=s, k=k, n=len(rows), seed=seed) for s in range(steps)]
     path.write_text(json.dumps({"rows": rows, "order": [i for c in chosen for i in c]}))
     return [[rows[i]["question"] for i in c] for c in chosen]
 
@@ -104,6 +108,8 @@ def main() -> None:
     ap.add_argument("--trl-python", default=str(ROOT / ".venv-trl/bin/python"))
     ap.add_argument("--out", default=str(ROOT / "runs/bench_task_vs_trl"))
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--seed-per-round", action="store_true",
+                    help="round r samples under seed r on both sides (default: every round under the task's seed)")
     args = ap.parse_args()
     if args.steps <= args.warmup:
         sys.exit(f"--steps {args.steps} must exceed --warmup {args.warmup} (steps/s is over the steps after it)")
@@ -115,25 +121,30 @@ def main() -> None:
     import rlkit
 
     model = rlkit.models.pretrained(TASK["model"])
-    rows_file = out / "rows.json"
-    expected = write_rows(rows_file, args.steps)
     print(f"model: {model}\nwork: {TASK}\nload average: {os.getloadavg()}", flush=True)
-    extra = ["--rows", str(rows_file), "--threads", str(args.threads), "--warmup", str(args.warmup)]
     trl_run = dict(label="TRL GRPOTrainer", side="trl", cmd=[args.trl_python, str(BENCH / "trl_task_worker.py")])
     rl_run = dict(label="rlkit Trainer", side="rlkit", cmd=[sys.executable, str(BENCH / "rlkit_task_worker.py")])
     runs = [trl_run, rl_run]
     results: dict[str, list[dict]] = {x["label"]: [] for x in runs}
     saved: dict[str, str] = {}
     for r in range(args.rounds):
+        # round r's seed: both sides sample (and visit the rows) under the same one, and each round under
+        # another, so the medians average over sampled lengths instead of repeating one draw
+        seed = TASK["seed"] + (r if args.seed_per_round else 0)
+        rows_file = out / f"rows-seed{seed}.json"
+        expected = write_rows(rows_file, args.steps, seed)
+        extra = ["--rows", str(rows_file), "--threads", str(args.threads), "--warmup", str(args.warmup),
+                 "--seed", str(seed)]
         for x in runs[r % 2:] + runs[:r % 2]:
             save = ["--save", str(out / f"model-{x['side']}")] if r == 0 else []
             res = run_one(x, model, args.steps, out / f"r{r}-{x['side']}.log", args.timeout, extra + save)
+            res["seed"] = seed
             res["same_questions_as_driver"] = [sorted(q) for q in res["questions_per_step"]] == \
                 [sorted(q * TASK["n"]) for q in expected[:len(res["questions_per_step"])]]
             results[x["label"]].append(res)
             if r == 0:
                 saved[x["label"]] = str(out / f"model-{x['side']}")
-            print(f"round {r + 1}: {x['label']:16s} {res['steps_per_s']:.4f} steps/s (median step "
+            print(f"round {r + 1} (seed {seed}): {x['label']:16s} {res['steps_per_s']:.4f} steps/s (median step "
                   f"{res['median_step_s']:.1f} s), load before {res['load_avg_1min_before']:.2f}, same questions: "
                   f"{res['same_questions_as_driver']}", flush=True)
 
@@ -143,6 +154,7 @@ def main() -> None:
     speed = pd.DataFrame([{"run": label, "steps/s per round": ", ".join(f"{x['steps_per_s']:.4f}" for x in rs),
                            "steps/s (median)": med(rs, "steps_per_s"), "s/step (median)": med(rs, "median_step_s"),
                            "completion tokens/step": med(rs, "tokens_per_step"),
+                           "tokens/step per round": ", ".join(f"{x['tokens_per_step']:.0f}" for x in rs),
                            "load (1 min) before": ", ".join(f"{x['load_avg_1min_before']:.1f}" for x in rs),
                            "peak RSS MB": med(rs, "peak_rss_mb"),
                            "same questions": all(x["same_questions_as_driver"] for x in rs)}

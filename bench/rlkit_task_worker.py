@@ -41,7 +41,7 @@ def main() -> None:
                                              temperature=TASK["temperature"], dtype="bfloat16"),
                        prompts_per_step=TASK["prompts_per_step"], epochs=1, lr=TASK["lr"], lr_schedule="constant",
                        kl_coef=TASK["kl"], max_grad_norm=TASK["max_grad_norm"], precision="bf16-mixed",
-                       seed=TASK["seed"], run_dir=tempfile.mkdtemp(prefix="rlkit-task-"))
+                       seed=args.seed, run_dir=tempfile.mkdtemp(prefix="rlkit-task-"))
     step = tr.train_step
     steps_of_calls: list[int] = []  # the step each reward call belongs to
 

@@ -45,7 +45,7 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.manual_seed(TASK["seed"])
+    torch.manual_seed(args.seed)
     spec = json.loads(open(args.rows).read())
     rows = [spec["rows"][i] for i in spec["order"]]  # rlkit's visiting order, step by step
     data = Dataset.from_list([{"prompt": r["prompt"], "question": r["question"], "answer": r["answer"]} for r in rows])
@@ -94,7 +94,7 @@ def main() -> None:
         gradient_accumulation_steps=1, num_iterations=1, max_completion_length=TASK["max_new_tokens"],
         temperature=TASK["temperature"], learning_rate=TASK["lr"], lr_scheduler_type="constant", beta=TASK["kl"],
         max_grad_norm=TASK["max_grad_norm"], max_steps=args.steps, logging_steps=1, save_strategy="no",
-        report_to="none", dataloader_num_workers=0, seed=TASK["seed"], gradient_checkpointing=False,
+        report_to="none", dataloader_num_workers=0, seed=args.seed, gradient_checkpointing=False,
         shuffle_dataset=False)
     trl_logs: list[dict] = []
 

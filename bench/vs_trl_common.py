@@ -73,7 +73,8 @@ def reasoning_task():
 
 def task_worker_args() -> argparse.Namespace:
     """The command line both task workers take: ``MODEL_DIR STEPS --rows FILE [--threads N] [--save DIR]
-    [--warmup K]`` (``--rows``: the driver's train rows and the order rlkit visits them in)."""
+    [--warmup K] [--seed S]`` (``--rows``: the driver's train rows and the order rlkit visits them in, drawn
+    with the same seed)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("steps", type=int)
@@ -81,6 +82,7 @@ def task_worker_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--save", default=None, help="save the trained model here (for the held-out evaluation)")
     ap.add_argument("--warmup", type=int, default=WARMUP_STEPS, help="steps left out of steps/s")
+    ap.add_argument("--seed", type=int, default=TASK["seed"], help="the run's seed (sampling, and rlkit's order)")
     return ap.parse_args()
 
 

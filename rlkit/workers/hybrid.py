@@ -104,13 +104,15 @@ class HybridRollout:
                 part = generate_batch(self.engine, layout, sub, seed, agent=agent, **overrides)
         finally:
             self.release()
-        # one copy per generation group (its gen_tp == 0 rank) goes to the collector, in group order
-        mine = (self.group_index, part) if self.gen_tp == 0 else None
-        box: list[Any] = [None] * len(self.replica_ranks) if self.rank == self.collector else None
-        dist.gather_object(mine, box, dst=self.collector, group=self.replica_group)
-        if self.rank != self.collector:
-            return None
-        parts = [p for _, p in sorted(x for x in box if x is not None) if p is not None]
+        if len(self.replica_ranks) == 1:  # one rank: nothing to gather (gather_object pickles the batch, 1-2 ms)
+            parts = [part] if part is not None else []
+        else:  # one copy per generation group (its gen_tp == 0 rank) goes to the collector, in group order
+            mine = (self.group_index, part) if self.gen_tp == 0 else None
+            box: list[Any] = [None] * len(self.replica_ranks) if self.rank == self.collector else None
+            dist.gather_object(mine, box, dst=self.collector, group=self.replica_group)
+            if self.rank != self.collector:
+                return None
+            parts = [p for _, p in sorted(x for x in box if x is not None) if p is not None]
         return Batch.cat(parts).replace(timing=max(p.timing for p in parts))
 
     def release(self) -> None:
