@@ -255,11 +255,19 @@ def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return first, rank[inverse]
 
 
+def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Raw ``logits`` as float32, divided by ``temperature`` (not at 1: ``x / 1.0`` is ``x``, a pass saved).
+
+    >>> scaled(torch.tensor([[2.0, 4.0]]), 2.0).tolist(), scaled(torch.tensor([[2.0]]), 1.0).tolist()
+    ([[1.0, 2.0]], [[2.0]])
+    """
+    return logits.float() if temperature == 1.0 else logits.float() / temperature
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
     """log-probs (B,) of ``tokens`` (B,) under ``softmax(logits / temperature)`` of raw logits (B, V): rlkit's
     convention, the number the actor recomputes."""
-    x = logits.float() if temperature == 1.0 else logits.float() / temperature  # x / 1.0 is x: a pass saved
-    return F.log_softmax(x, dim=-1).gather(1, tokens[:, None])[:, 0]
+    return F.log_softmax(scaled(logits, temperature), dim=-1).gather(1, tokens[:, None])[:, 0]
 
 
 @torch.no_grad()

@@ -34,7 +34,7 @@ from transformers import (
 
 from rlkit.rollout.base import RolloutEngine, left_pad, named_tensor_items
 from rlkit.rollout.config import Rollout, RolloutError
-from rlkit.rollout.decode import KV, decode, decode_continued, token_logprobs, unsupported
+from rlkit.rollout.decode import KV, decode, decode_continued, scaled, token_logprobs, unsupported
 from rlkit.rollout.routing import RoutingRecorder
 
 
@@ -116,7 +116,7 @@ class _SeededSampling(LogitsProcessor):
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The sampling distribution (rows, V) float32: ``softmax(logits / T)`` with top-k / top-p's dropped
         tokens at 0."""
-        x = logits.float() if self.temperature == 1.0 else logits.float() / self.temperature  # (a pass saved)
+        x = scaled(logits, self.temperature)
         if 0 < self.top_k < x.shape[-1]:
             kth = torch.topk(x, self.top_k, dim=-1).values[:, -1:]
             x = x.masked_fill(x < kth, float("-inf"))
@@ -150,10 +150,10 @@ class _SeededSampling(LogitsProcessor):
         u = self._uniform().to(outer.device)[:, None] * outer[:, -1:]
         b = torch.minimum(torch.searchsorted(outer, u, right=True), _last_nonzero(mass > 0))  # (rows, 1): the block
         inside = p.gather(1, b[:, :, None].expand(-1, 1, blk))[:, 0].cumsum(-1, dtype=torch.float64)  # (rows, BLOCK)
-        # where u falls in the block, as a share of its mass, on the block's own cumulative sum
-        at = (u - (outer.gather(1, b) - mass.gather(1, b))) / mass.gather(1, b) * inside[:, -1:]
-        i = torch.minimum(torch.searchsorted(inside, at, right=True), _last_nonzero(inside.diff(dim=-1, prepend=(
-            torch.zeros_like(at))) > 0))
+        m = mass.gather(1, b)
+        at = (u - (outer.gather(1, b) - m)) / m * inside[:, -1:]  # u's share of the block, on its own cumulative sum
+        has_mass = inside.diff(dim=-1, prepend=torch.zeros_like(at)) > 0
+        i = torch.minimum(torch.searchsorted(inside, at, right=True), _last_nonzero(has_mass))
         return (b * blk + i)[:, 0]
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
