@@ -64,6 +64,8 @@ class Batch:
         routing: ``[B, P + R, layers, k]`` int16, mixture of experts: the experts the engine chose for each token in
             each layer, -1 where none was recorded (``Rollout(record_routing=True)``; replayed by the actor's
             forwards under ``TrainerConfig(routing_replay=True)``).
+        pixel_values, image_grid_thw: a vision-language model's images, one tensor per sample: its prompt's images'
+            patches ``(patches, C*T*P*P)`` and grids ``(images, 3)``, as the processor made them (``(0, ...)``: none).
         ref_logprobs, old_logprobs, values, advantages, returns: ``[B, R]``, added by ``Trainer.estimate``.
         behaviour_logprobs: ``[B, R]`` the engine's log-probs, for the update's importance weights.
         uid: each sample's prompt (its index in the step's prompts).
@@ -82,6 +84,8 @@ class Batch:
     loss_mask: torch.Tensor | None = None
     policy_version: torch.Tensor | None = None
     routing: torch.Tensor | None = None
+    pixel_values: list[torch.Tensor] | None = None
+    image_grid_thw: list[torch.Tensor] | None = None
     token_version: torch.Tensor | None = None
     gen_window: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None

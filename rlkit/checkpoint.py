@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -429,6 +430,9 @@ def _is_model_folder(path: Path) -> bool:
             and not (path / TRAINER_FILE).exists() and not (path / "metrics.jsonl").exists())
 
 
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "chat_template.jinja", "chat_template.json")
+
+
 def write_pretrained(path: str | os.PathLike, weights: dict[str, torch.Tensor], model_path: str,
                      tokenizer: Any = None, dtype: str | torch.dtype | None = None) -> str:
     """Write full HF-named ``weights`` of ``model_path``'s architecture as a Hugging Face checkpoint folder
@@ -436,7 +440,8 @@ def write_pretrained(path: str | os.PathLike, weights: dict[str, torch.Tensor], 
 
     The model is built on the meta device and the weights assigned to it (no second copy), then
     transformers' own ``save_pretrained`` writes it (a tied lm_head once). ``dtype``: cast floating-point
-    weights (default: as given, the trainer's fp32).
+    weights (default: as given, the trainer's fp32). A vision-language model's folder also gets the model's
+    processor files (image processor, chat template).
 
     >>> import tempfile, pathlib
     >>> from transformers import AutoModelForCausalLM
@@ -455,9 +460,18 @@ def write_pretrained(path: str | os.PathLike, weights: dict[str, torch.Tensor], 
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise CheckpointError(f"dtype={dtype!r} is not a floating-point torch dtype; use e.g. 'bfloat16'")
         weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
+    from rlkit.models.vision import is_vision_language, module_name
+
     config = AutoConfig.from_pretrained(model_path)
+    vl = is_vision_language(config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        if vl:  # a vision-language model: the checkpoint's names as the loaded module names them
+            from transformers import AutoModelForImageTextToText
+
+            model = AutoModelForImageTextToText.from_config(config)
+            weights = {module_name(k): v for k, v in weights.items()}
+        else:
+            model = AutoModelForCausalLM.from_config(config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     out_emb = model.get_output_embeddings()
     out_name = next((n for n, m in model.named_modules() if m is out_emb), None)
@@ -487,6 +501,9 @@ def write_pretrained(path: str | os.PathLike, weights: dict[str, torch.Tensor], 
         with atomic.folder(path) as tmp:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
+            for name in PROCESSOR_FILES if vl else ():  # the image processor and template, as the model had them
+                if (Path(model_path) / name).is_file():
+                    shutil.copyfile(Path(model_path) / name, Path(tmp) / name)
     finally:
         if bars:
             hf_logging.enable_progress_bar()

@@ -83,8 +83,57 @@ def is_chat(prompt: Any) -> bool:
     (True, False)
     """
     return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
-            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and _is_content(m.get("content"))
                     for m in prompt))
+
+
+def _is_content(content: Any) -> bool:
+    """A message's content: text, or a list of typed parts (``{"type": "text", ...}``, ``{"type": "image"}``)."""
+    return isinstance(content, str) or (isinstance(content, list) and all(
+        isinstance(p, dict) and isinstance(p.get("type"), str) for p in content))
+
+
+def render_images(rows: list[dict[str, Any]], model_path: str) -> list[dict[str, Any]]:
+    """Rows with images (``rlkit.vision``: an ``image`` / ``images`` column, or image parts in the chat) encoded
+    once, in the driver, by the model's processor: each such row's ``prompt`` becomes an
+    ``rlkit.rollout.base.ImagePrompt`` (token ids with the image tokens, the images' patches and grids, the
+    rendered text). Rows without images, and every row for a text-only model without images, are kept as
+    they are. A bad image, a count that does not match the prompt's image parts, images for a text-only model
+    and a checkpoint without a processor are ``TrainerError``s naming the row and the fix."""
+    from transformers import AutoConfig
+
+    from rlkit import vision
+    from rlkit.models.vision import is_vision_language, load_processor
+    from rlkit.rollout.base import ImagePrompt
+
+    if not vision.has_images(rows):
+        return rows
+    config = AutoConfig.from_pretrained(model_path)
+    if not is_vision_language(config):
+        raise TrainerError(f"the dataset's rows have images but model {model_path!r} ({config.model_type}) is a "
+                           f"text-only model; use a vision-language model (e.g. a Qwen2.5-VL checkpoint, or "
+                           f"rlkit.models.tiny_lm('qwen2_5_vl')), or drop the image columns")
+    try:
+        processor = load_processor(model_path)
+    except (OSError, ValueError, KeyError) as e:
+        raise TrainerError(f"model {model_path!r} is a vision-language model but its processor does not load "
+                           f"({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}); save it into the "
+                           f"checkpoint with processor.save_pretrained(path) (processor_config.json and the "
+                           f"tokenizer files)") from None
+    out = []
+    for i, row in enumerate(rows):
+        try:
+            images = vision.row_images(row, index=i)
+        except vision.ImageError as e:
+            raise TrainerError(str(e)) from None
+        if not images:
+            out.append(row)
+            continue
+        text = processor.apply_chat_template(list(row["prompt"]), tokenize=False, add_generation_prompt=True)
+        enc = processor(text=[text], images=images, return_tensors="pt")
+        prompt = ImagePrompt(enc["input_ids"][0].tolist(), enc["pixel_values"], enc["image_grid_thw"], text)
+        out.append({**row, "prompt": prompt})
+    return out
 
 
 def rows_of(dataset: Any, train_size: int, seed: int, prompt_column: str = "prompt",
@@ -198,7 +247,10 @@ def longest_prompt(rows: list[dict[str, Any]], tokenizer: Any, model_path: str, 
     ``max_new_tokens`` must fit the model's context."""
     from transformers import AutoConfig
 
-    lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows])["input_ids"]]
+    texts = [r["prompt"] for r in rows if isinstance(r["prompt"], str)]
+    text_lengths = iter(len(ids) for ids in tokenizer(texts)["input_ids"]) if texts else iter(())
+    # prompts with images are token ids already (ImagePrompt)
+    lengths = [next(text_lengths) if isinstance(r["prompt"], str) else len(r["prompt"]) for r in rows]
     context = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     if context and lengths[longest] + max_new_tokens > context:

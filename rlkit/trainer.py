@@ -548,7 +548,7 @@ class Trainer(TrainerIO):
         environment's opening messages) for multi-turn episodes."""
         if self.agent is not None:
             return inputs.render_episodes(rows, self.tokenizer, self.model_path, self.agent)
-        return inputs.render_chats(rows, self.tokenizer, self.model_path)
+        return inputs.render_chats(inputs.render_images(rows, self.model_path), self.tokenizer, self.model_path)
 
     def _score(self, samples: Batch) -> torch.Tensor:
         """Each sample's reward: the reward functions' weighted sum (a multi-turn completion is its

@@ -2,6 +2,7 @@
 
 No hub is needed: a byte-level BPE tokenizer (single-digit tokens, chat template, pad and eos) is
 trained on a small built-in corpus with ``tokenizers``, a Llama, Qwen2 or Qwen3-MoE model is built from a config
+(a Qwen2.5-VL vision-language model: ``rlkit.models.vision``)
 with a seeded random init, and both are ``save_pretrained`` into a cache folder whose path is
 returned. Everything downstream loads it with ``from_pretrained(path)``, exactly as a real
 checkpoint.
@@ -37,7 +38,7 @@ SIZES: dict[str, dict[str, int]] = {
     "10m": dict(hidden_size=384, intermediate_size=1152, num_hidden_layers=8, num_attention_heads=8,
                 num_key_value_heads=4),
 }
-ARCHS = ("llama", "qwen2", "qwen3_moe")
+ARCHS = ("llama", "qwen2", "qwen3_moe", "qwen2_5_vl")  # qwen2_5_vl: a vision-language model (rlkit.models.vision)
 # a mixture of experts in every layer, enough experts that routing matters: 8, top-2, each half the dense MLP
 MOE = dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)
 
@@ -118,6 +119,8 @@ def tiny_config(arch: str = "qwen2", size: str = "test", vocab_size: int = 512, 
 
     if arch not in ARCHS:
         raise ValueError(f"arch={arch!r} is not a tiny architecture; choose one of {list(ARCHS)}")
+    if arch == "qwen2_5_vl":
+        raise ValueError("tiny_config makes causal LMs' configs; a tiny Qwen2.5-VL's is rlkit.models.vision.vl_config")
     if size not in SIZES:
         raise ValueError(f"size={size!r} is not a tiny size; choose one of {list(SIZES)}")
     kwargs = dict(SIZES[size], vocab_size=vocab_size, max_position_embeddings=512, tie_word_embeddings=False,
@@ -145,6 +148,10 @@ def tiny_lm(arch: str = "qwen2", size: str = "test", seed: int = 0, *, vocab_siz
     >>> AutoTokenizer.from_pretrained(path).decode([7]) != ""
     True
     """
+    if arch == "qwen2_5_vl":
+        from rlkit.models.vision import tiny_vlm
+
+        return tiny_vlm(size, seed, vocab_size=vocab_size, path=path, **overrides)
     cfg = tiny_config(arch, size, vocab_size, **overrides)
     key = json.dumps({"arch": arch, "size": size, "seed": seed, "vocab": vocab_size, "over": overrides,
                       "build": build_stamp()}, sort_keys=True, default=str)

@@ -46,6 +46,34 @@ def make_batch(n: int, seq_len: int, vocab: int, seed: int = 0, ragged: bool = F
             "advantages": torch.randn(n, generator=g), "returns": torch.randn(n, seq_len, generator=g)}
 
 
+def add_images(batch: dict[str, torch.Tensor], image_token_id: int, seed: int = 0, patch_dim: int = 1176,
+               grid: tuple[int, int, int] = (1, 4, 4), merge: int = 2) -> dict[str, torch.Tensor]:
+    """``batch`` with one image in each row's prompt, for a vision-language model: ``t*h*w / merge**2`` image
+    tokens from the row's first real token on, random patches (``pixel_values``, one tensor per row) and
+    the grid (``image_grid_thw``); other tokens that happened to be the image token become text.
+
+    >>> b = add_images(make_batch(2, 16, 500), image_token_id=460)
+    >>> b["input_ids"][0, 0:4].tolist(), [tuple(p.shape) for p in b["pixel_values"]]
+    ([460, 460, 460, 460], [(16, 1176), (16, 1176)])
+    """
+    g = torch.Generator().manual_seed(10_000 + seed)
+    ids, am = batch["input_ids"].clone(), batch["attention_mask"]
+    ids[ids == image_token_id] = image_token_id - 1
+    tokens = grid[0] * grid[1] * grid[2] // merge**2
+    for i in range(ids.shape[0]):
+        first = int(am[i].argmax())
+        ids[i, first:first + tokens] = image_token_id
+    patches = grid[0] * grid[1] * grid[2]
+    return {**batch, "input_ids": ids,
+            "pixel_values": [torch.randn(patches, patch_dim, generator=g) for _ in range(ids.shape[0])],
+            "image_grid_thw": [torch.tensor([list(grid)]) for _ in range(ids.shape[0])]}
+
+
+def images_of(batch: dict[str, Any]) -> dict[str, Any]:
+    """A batch's ``pixel_values=`` / ``image_grid_thw=`` keywords (none for a text batch)."""
+    return {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
+
+
 def ppo_loss(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor], clip: float = 0.2,
              entropy_coef: float = 0.01) -> torch.Tensor:
     """Token-mean PPO clipped surrogate minus an entropy bonus (the shape RL code passes in)."""
@@ -64,6 +92,8 @@ def step_batches(ref: nn.Module, steps: int, n: int, seq_len: int, seed: int, ra
     batches = []
     for s in range(steps):
         b = make_batch(n, seq_len, ref.config.vocab_size, seed=seed + s, ragged=ragged)
+        if getattr(ref, "visual", None) is not None:  # a vision-language model: an image in every prompt
+            b = add_images(b, ref.image_token_id, seed=seed + s, grid=(1, 4, 4), merge=ref.merge)
         if old_logprobs:
             with torch.no_grad():
                 old = reference_forward(ref, None, b)["logprobs"]
@@ -78,8 +108,17 @@ def value_loss(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor]) -> tor
 
 
 def reference_forward(hf: nn.Module, value_head: nn.Module | None, batch: dict[str, torch.Tensor]):
-    """The plain HF model's outputs, computed the textbook way (full logits, HF's own masks)."""
+    """The plain HF model's outputs, computed the textbook way (full logits, HF's own masks). A vision-language
+    model (``rlkit.models.vision.causal_view``) runs whole, images and multimodal positions its own way."""
     ids, am = batch["input_ids"], batch["attention_mask"]
+    if getattr(hf, "visual", None) is not None and "pixel_values" in batch:
+        logits = hf.full(input_ids=ids, attention_mask=am, pixel_values=torch.cat(list(batch["pixel_values"])),
+                         image_grid_thw=torch.cat(list(batch["image_grid_thw"])),
+                         mm_token_type_ids=(ids == hf.image_token_id).int()).logits.float()
+        logp = logits[:, :-1].log_softmax(-1)
+        zero = torch.zeros(ids.shape[0], 1)
+        return {"logprobs": torch.cat([zero, logp.gather(-1, ids[:, 1:, None]).squeeze(-1)], 1),
+                "entropy": torch.cat([zero, -(logp.exp() * logp).sum(-1)], 1)}
     pos = position_ids_from_mask(am)
     if value_head is not None:
         h = hf.model(input_ids=ids, attention_mask=am, position_ids=pos).last_hidden_state
@@ -189,7 +228,7 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     # 1. forward-only outputs on valid positions (token t and its predecessor are real tokens)
     with torch.no_grad():
         ref_out = reference_forward(ref, ref_vh, mine)
-    got = pm.logprobs(mine["input_ids"], mine["attention_mask"])
+    got = pm.logprobs(mine["input_ids"], mine["attention_mask"], **images_of(mine))
     am = mine["attention_mask"].bool()
     valid = am & torch.cat([torch.zeros_like(am[:, :1]), am[:, :-1]], 1)
     if head == "value":
@@ -222,6 +261,7 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
         if d > gdiff:
             gdiff, worst = d, name
     report["max_dgrad_param"] = worst if gdiff > 0 else None  # this rank's worst (rank 0's in the report)
+    report["grad_names"] = [n for n, p in pm.named_parameters() if p.requires_grad]  # every gradient compared
     gdiff = max_over_ranks(torch.tensor(gdiff))
     gnorm = pm.grad_norm()
     ref_gnorm = torch.nn.utils.get_total_norm([p.grad for p in ref_params]).item()

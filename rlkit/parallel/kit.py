@@ -38,14 +38,20 @@ PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16-mixed": torch.b
 
 
 def load_hf(model: Any, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """An HF causal LM from a path / hub id, or the module itself (eager attention, no KV cache)."""
-    if isinstance(model, nn.Module):
-        return model
-    from transformers import AutoModelForCausalLM
+    """An HF causal LM from a path / hub id, or the module itself (eager attention, no KV cache). A
+    vision-language checkpoint (or module) comes back as ``rlkit.models.vision.causal_view``: its language model
+    as a causal LM, its vision tower beside it, under the checkpoint's names."""
+    from rlkit.models.vision import causal_view, is_vision_language
 
-    hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype, attn_implementation="eager")
+    if isinstance(model, nn.Module):
+        return causal_view(model) if is_vision_language(model.config) else model
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    vl = is_vision_language(AutoConfig.from_pretrained(str(model)))
+    auto = AutoModelForImageTextToText if vl else AutoModelForCausalLM
+    hf = auto.from_pretrained(str(model), dtype=dtype, attn_implementation="eager")
     hf.config.use_cache = False
-    return hf
+    return causal_view(hf) if vl else hf
 
 
 def loss_scales(weights: list[float], dp_size: int, dp_group: Any, device: torch.device) -> list[float]:

@@ -110,14 +110,21 @@ def can_load_sharded(model: Any) -> bool:
 def empty_model(path: str | Path, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The HF causal LM of ``path``'s config on the meta device: every parameter shaped, none stored.
 
-    transformers does not tie embeddings of a model built on meta, so a tied config is tied here.
+    transformers does not tie embeddings of a model built on meta, so a tied config is tied here. A
+    vision-language model comes back as ``rlkit.models.vision.causal_view`` (the checkpoint's names).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from rlkit.models.vision import causal_view, is_vision_language
 
     config = AutoConfig.from_pretrained(str(path))
     config.use_cache = False
+    vl = is_vision_language(config)
     with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
+        hf = (AutoModelForImageTextToText if vl else AutoModelForCausalLM).from_config(
+            config, attn_implementation="eager", dtype=dtype)
+    if vl:
+        hf = causal_view(hf)
     if getattr(config, "tie_word_embeddings", False):
         hf.lm_head.weight = hf.model.embed_tokens.weight
     return hf
@@ -134,10 +141,13 @@ def materialize(stages: list[nn.Module], reader: CheckpointReader, device: torch
     extra = extra or {}
     held = 0
     for st in stages:
-        rotary = st.model.rotary_emb
+        # rotary modules (the language model's, a vision tower's) hold computed buffers: built again
+        rotaries = [(n, m) for n, m in st.named_modules() if hasattr(m, "inv_freq") and n]
         st.to_empty(device=device)
-        with torch.device(device):
-            st.model.rotary_emb = type(rotary)(config=config)
+        for name, rotary in rotaries:
+            parent, _, attr = name.rpartition(".")
+            with torch.device(device):
+                setattr(st.get_submodule(parent), attr, type(rotary)(config=getattr(rotary, "config", config)))
         for name, p in st.named_parameters():
             source = hf_name(name)  # a LoRA layer's frozen base reads the HF tensor it wraps
             if name not in extra and name not in reader and name == "lm_head.weight":

@@ -117,6 +117,12 @@ class ParallelModel:
         hf = empty_model(model) if sharded else load_hf(model)
         plan.validate(model=hf.config)
         self.plan, self.config, self.head = plan, hf.config, head
+        # a vision-language model (rlkit.models.vision.causal_view): its tower on the first stage; the image
+        # token and merge size give each sample's multimodal rotary positions
+        self.vision = (hf.image_token_id, hf.merge) if getattr(hf, "visual", None) is not None else None
+        if self.vision is not None and plan.pp > 1:
+            raise PlanError(f"a vision-language model under pp={plan.pp} is not supported yet (the tower and the "
+                            f"multimodal positions through a pipeline); use pp=1 with dp and tp")
         # LoRA (rlkit.parallel.lora): peft's layers go in before the split, so every layout applies to them
         self.lora = check_lora(lora, hf, tp=plan.tp, head=head)
         lora_init = {}
@@ -262,16 +268,21 @@ class ParallelModel:
     # ---- forward only ------------------------------------------------------------------------------
     @torch.no_grad()
     def logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 routing: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                 routing: torch.Tensor | None = None, pixel_values: list[torch.Tensor] | None = None,
+                 image_grid_thw: list[torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Per-token ``{"logprobs", "entropy"}`` (B, S) fp32 for this rank's batch; column t scores
         token t given tokens < t (column 0 is 0). Every rank of the DP group gets the result.
         With ``head="value"`` returns ``{"values"}`` instead. ``routing``: a mixture of experts' recorded
-        choices, ``(B, S, layers, k)``, replayed or compared (``set_routing_replay``)."""
+        choices, ``(B, S, layers, k)``, replayed or compared (``set_routing_replay``). ``pixel_values`` /
+        ``image_grid_thw``: a vision-language model's images, one tensor per sample (its images' patches and
+        grids, ``(0, ...)`` for none), as the processor made them."""
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         batch = {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device)}
         if routing is not None:
             batch["routing"] = routing.to(self.device)
+        if pixel_values is not None:
+            batch["pixel_values"], batch["image_grid_thw"] = list(pixel_values), list(image_grid_thw)
         if self.padding_free:
             return self._packed_forward(batch)
         m = self._micro_batches(batch)
@@ -280,7 +291,7 @@ class ParallelModel:
         try:
             if self.plan.pp == 1:
                 outs = [self._as_dict(self.stages[0](mb["input_ids"], attention_mask=mb["attention_mask"],
-                                                     labels=mb["input_ids"], **_routing(mb)))
+                                                     labels=mb["input_ids"], **_routing(mb), **self._images(mb)))
                         for mb in split_rows(batch, m)]
                 out = {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
             else:
@@ -327,7 +338,8 @@ class ParallelModel:
         try:
             if self.plan.pp == 1:
                 outs = [self._as_dict(self.stages[0](pk.input_ids, attention_mask=pk.segments, labels=pk.labels,
-                                                     **_packed_routing(pk, batch, pk.rows)))
+                                                     **_packed_routing(pk, batch, pk.rows),
+                                                     **self._packed_images(pk, batch, pk.rows)))
                         for pk in packs]
             else:
                 self._loss_ctx = {"loss_fn": None}
@@ -371,6 +383,43 @@ class ParallelModel:
             return {}
         return self._share_last_stage(res, ids.shape)
 
+    def _images(self, mb: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """A vision-language model's stage keywords for micro-batch ``mb``: its samples' images, joined in row
+        order, and every sample's multimodal rotary positions (text-only samples too: M-RoPE's positions of
+        plain text are the usual ones on all three axes)."""
+        if self.vision is None:
+            if mb.get("pixel_values") is not None:
+                raise PlanError("the batch has images (pixel_values) but the model has no vision tower")
+            return {}
+        from rlkit.models.vision import image_slots, mrope_positions
+
+        grids = mb.get("image_grid_thw")
+        out = {"position_ids": mrope_positions(mb["input_ids"], mb["attention_mask"], grids, *self.vision).transpose(0, 1)}
+        if grids is not None and sum(len(g) for g in grids):
+            out["pixel_values"] = torch.cat(list(mb["pixel_values"])).to(self.device)
+            out["image_grid_thw"] = torch.cat(list(grids)).to(self.device)
+            out["image_mask"] = image_slots(mb["input_ids"], grids, *self.vision)
+        return out
+
+    def _packed_images(self, pk: PackedMicroBatch, batch: dict[str, Any], rows: Any = None) -> dict[str, torch.Tensor]:
+        """``_images`` laid out as the packed rows of ``pk`` (``rows``: where its rows sit in ``batch``; None: the
+        batch is the micro-batch's own rows): each token keeps the positions it has in its own sequence, and the
+        images follow the order the sequences sit in the packed rows."""
+        if self.vision is None:
+            return self._images(batch)  # (a batch with images for a model without a tower: the error)
+        sel = list(range(batch_rows(batch))) if rows is None else [int(r) for r in rows]
+        mine = take_rows(batch, torch.tensor(sel, dtype=torch.long, device=self.device))
+        flat = self._images(mine)
+        out = {"position_ids": pk.pack(flat["position_ids"].transpose(1, 2)).transpose(1, 2)}
+        if "pixel_values" in flat:  # the sequences in packed order: by where their first token landed
+            first = torch.full((len(sel),), pk.input_ids.numel(), dtype=torch.long, device=pk.src.device)
+            first = first.scatter_reduce(0, pk.dst // pk.seq_len, pk.src, "amin")
+            order = first.argsort().tolist()
+            out["pixel_values"] = torch.cat([mine["pixel_values"][i] for i in order]).to(self.device)
+            out["image_grid_thw"] = torch.cat([mine["image_grid_thw"][i] for i in order]).to(self.device)
+            out["image_mask"] = pk.pack(flat["image_mask"], fill=False)
+        return out
+
     def _as_dict(self, out) -> dict[str, torch.Tensor]:
         if self.head == "value":
             return {"values": out}
@@ -407,11 +456,11 @@ class ParallelModel:
                 if packs:
                     pk = packs[j]
                     raw = self._as_dict(st(pk.input_ids, attention_mask=pk.segments, labels=pk.labels,
-                                           **_packed_routing(pk, mb)))
+                                           **_packed_routing(pk, mb), **self._packed_images(pk, mb)))
                     out = {k: pk.unpack(v) for k, v in raw.items()}
                 else:
                     out = self._as_dict(st(mb["input_ids"], attention_mask=mb["attention_mask"], labels=mb["input_ids"],
-                                           **_routing(mb)))
+                                           **_routing(mb), **self._images(mb)))
                 # an empty micro-batch (a DP rank with fewer sequences) adds nothing, but FSDP needs its backward
                 loss = loss_fn(out, mb) if batch_rows(mb) else sum(v.sum() for v in out.values()) * 0.0
                 (loss / m if weight_fn is None else loss * scales[j]).backward()

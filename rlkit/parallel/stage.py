@@ -158,6 +158,10 @@ class Stage(nn.Module):
         self.compute_dtype: torch.dtype | None = None  # bf16: matmuls under autocast, weights stay fp32
         self.moes: list = []  # the stage's mixture-of-experts layers (rlkit.parallel.moe.apply_moe)
         body = hf_model.model
+        # a vision-language model (rlkit.models.vision.causal_view): the tower runs on the first stage, its
+        # outputs take the place of the image tokens' embeddings
+        self.visual = getattr(hf_model, "visual", None) if first else None
+        self.image_token_id = getattr(hf_model, "image_token_id", None)
         self.model = nn.Module()
         self.model.embed_tokens = body.embed_tokens if first else None
         self.model.layers = nn.ModuleDict({str(i): body.layers[i] for i in layers})
@@ -169,19 +173,31 @@ class Stage(nn.Module):
             self.value_head = value_head
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
-                routing: torch.Tensor | None = None):
+                routing: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
+                image_grid_thw: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                image_mask: torch.Tensor | None = None):
         """``routing`` (mixture of experts, optional): ``(B, S, layers, k)`` experts recorded by the engine for
-        each token, which the MoE layers replay or compare against (``rlkit.parallel.moe``)."""
+        each token, which the MoE layers replay or compare against (``rlkit.parallel.moe``).
+
+        Vision-language models: ``pixel_values`` (patches, C*T*P*P) and ``image_grid_thw`` (images, 3) of the
+        micro-batch's images in token order and ``image_mask`` (B, S), the tokens they fill (first stage), and
+        ``position_ids`` (B, 3, S), the multimodal rotary positions (``rlkit.models.vision.mrope_positions``;
+        every stage)."""
         dtype = self.compute_dtype
         with torch.autocast(x.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            return self._forward(x, attention_mask, labels, routing)
+            return self._forward(x, attention_mask, labels, routing, pixel_values, image_grid_thw, position_ids,
+                                 image_mask)
 
     def _forward(self, x: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
-                 routing: torch.Tensor | None = None):
+                 routing: torch.Tensor | None = None, pixel_values: torch.Tensor | None = None,
+                 image_grid_thw: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                 image_mask: torch.Tensor | None = None):
         h = self.model.embed_tokens(x) if self.first else x
+        if self.first and pixel_values is not None:
+            h = self._with_images(h, pixel_values, image_grid_thw, image_mask)
         pos = position_ids_from_mask(attention_mask)
         mask = causal_padding_mask(attention_mask, h.dtype)
-        pe = self.model.rotary_emb(h, position_ids=pos)
+        pe = self.model.rotary_emb(h, position_ids=pos if position_ids is None else position_ids.transpose(0, 1))
         for moe in self.moes:  # which tokens are real (the router's losses and load count those only), and
             moe.tokens = attention_mask.reshape(-1) != 0  # the engine's choices for them, if recorded
             moe.recorded = None if routing is None else routing[:, :, moe.layer].reshape(-1, routing.shape[-1])
@@ -197,6 +213,19 @@ class Stage(nn.Module):
             return self.value_head(h).squeeze(-1).float()
         return token_logprobs(self.lm_head, h, labels, self.logprob_chunk, first=self.score_from,
                               entropy_grad=self.entropy_grad)
+
+
+    def _with_images(self, h: torch.Tensor, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
+                     slots: torch.Tensor) -> torch.Tensor:
+        """The embeddings ``h`` with the vision tower's output in place of the image tokens' (``slots``), in order."""
+        if self.visual is None:
+            raise PlanError("images were given to a model without a vision tower")
+        feats = self.visual(pixel_values.to(self.visual.patch_embed.proj.weight.dtype),
+                            grid_thw=image_grid_thw).pooler_output
+        if int(slots.sum()) != feats.shape[0]:
+            raise PlanError(f"{int(slots.sum())} image tokens in the micro-batch but its images make "
+                            f"{feats.shape[0]}: each sample's pixel_values and image_grid_thw must match its tokens")
+        return h.masked_scatter(slots[..., None], feats.to(h.dtype))
 
 
 def run_layer(layer: nn.Module, h, mask, pos, pe):

@@ -78,6 +78,9 @@ class RolloutBatch:
     tokens the engine sampled, 0 on tool and environment messages and template glue; ``messages``: each
     sample's conversation after the prompt; ``episodes``: each one's turns, tool calls, errors, truncation.
 
+    Prompts with images (``ImagePrompt``) fill ``pixel_values`` and ``image_grid_thw``: per sample, its prompt's
+    images' patches and grids (``(0, ...)`` for a prompt without).
+
     ``Rollout(record_routing=True)`` (HF engine, mixture of experts) fills ``routing``: per sample, the experts
     each of its real tokens went to in every layer, ``(prompt + response tokens, layers, k)`` int16, -1 where
     none was recorded (``rlkit.rollout.routing``).
@@ -102,6 +105,8 @@ class RolloutBatch:
     messages: list[list[dict[str, Any]]] | None = None
     episodes: list[dict[str, Any]] | None = None
     routing: list[torch.Tensor] | None = None
+    pixel_values: list[torch.Tensor] | None = None
+    image_grid_thw: list[torch.Tensor] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -142,6 +147,30 @@ class RolloutBatch:
                 f"tokens={self.num_tokens}, tokens/s={self.tokens_per_s:.0f}, engine={self.engine!r})")
 
 
+@dataclass(frozen=True)
+class ImagePrompt:
+    """A prompt with images, as a vision-language model's processor encoded it: token ids with one image token
+    per merged patch, the images' patches ``pixel_values`` (patches, C*T*P*P) and grids ``image_grid_thw``
+    (images, 3), in the order the images appear. Engines take it wherever they take a prompt's token ids.
+
+    >>> p = ImagePrompt([1, 9, 9, 2], torch.zeros(8, 4), torch.tensor([[1, 2, 4]]))
+    >>> len(p), p.images
+    (4, 1)
+    """
+
+    ids: list[int]
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+    text: str = ""  # the rendered prompt (what reward functions get as the prompt)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @property
+    def images(self) -> int:
+        return int(self.image_grid_thw.shape[0])
+
+
 def _is_token(t) -> bool:
     return isinstance(t, numbers.Integral) or (torch.is_tensor(t) and t.ndim == 0 and not t.is_floating_point())
 
@@ -158,6 +187,9 @@ def tokenize_prompts(prompts: Sequence[str] | Sequence[Sequence[int]], tokenizer
         return [list(ids) for ids in tokenizer(prompts, add_special_tokens=True)["input_ids"]]
     out = []
     for i, p in enumerate(prompts):
+        if isinstance(p, ImagePrompt):
+            out.append(list(p.ids))
+            continue
         if isinstance(p, str) or not all(_is_token(t) for t in p):
             raise RolloutError(f"prompt {i} is {type(p).__name__}; give all prompts as text or all as "
                                f"lists of token ids, not a mix")
@@ -229,6 +261,21 @@ def assemble(prompt_ids: list[list[int]], prompt_index: list[int], responses: li
                         texts, finish_reason, skipped, timings, engine)
 
 
+def image_rows(images: Sequence[ImagePrompt | None]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per row, its prompt's ``pixel_values`` and ``image_grid_thw``; empty ``(0, ...)`` tensors for a prompt
+    without images (shaped like the others', so rows join with ``torch.cat``).
+
+    >>> pv, grids = image_rows([ImagePrompt([9], torch.ones(4, 6), torch.tensor([[1, 2, 2]])), None])
+    >>> [tuple(t.shape) for t in pv], [tuple(g.shape) for g in grids]
+    ([(4, 6), (0, 6)], [(1, 3), (0, 3)])
+    """
+    some = next(p for p in images if p is not None)
+    none_pv = some.pixel_values.new_zeros((0, *some.pixel_values.shape[1:]))
+    none_grid = some.image_grid_thw.new_zeros((0, 3))
+    return ([none_pv if p is None else p.pixel_values for p in images],
+            [none_grid if p is None else p.image_grid_thw for p in images])
+
+
 def prompt_seeds(seed: int, first_index: int, count: int) -> list[int]:
     """Seeds of prompts ``first_index .. first_index + count - 1`` of a call seeded ``seed``: draw k of one
     seeded stream is prompt k's, so a slice of the call gets the seeds the whole call would give it.
@@ -273,10 +320,12 @@ class RolloutEngine(ABC):
 
     # -- what an engine implements ------------------------------------------------------------------
     @abstractmethod
-    def generate_ids(self, prompts: list[list[int]], cfg: Rollout, seeds: list[int]
-                      ) -> tuple[list[list[int]], list[list[float]], list[str]]:
+    def generate_ids(self, prompts: list[list[int]], cfg: Rollout, seeds: list[int],
+                     images: list[ImagePrompt | None] | None = None
+                     ) -> tuple[list[list[int]], list[list[float]], list[str]]:
         """For each prompt, ``cfg.n`` samples in order: (response ids, log-probs, finish reasons).
-        ``seeds[i]`` seeds prompt i's samples alone (see ``prompt_seeds``). The engine's token-level entry:
+        ``seeds[i]`` seeds prompt i's samples alone (see ``prompt_seeds``); ``images[i]``: prompt i's images
+        (a vision-language model), or None. The engine's token-level entry:
         ``generate`` wraps it for prompts as text or chat, and multi-turn episodes (``rlkit.agent``) call it for
         each turn's continuation."""
 
@@ -373,7 +422,9 @@ class RolloutEngine(ABC):
             return RolloutBatch.empty(self.pad_token_id, skipped)
         kept = [ids[i] for i in keep]
         seeds = prompt_seeds(seed, first_index, len(ids))
-        responses, logprobs, reasons = self.generate_ids(kept, cfg, [seeds[i] for i in keep])
+        images = [p if isinstance(p, ImagePrompt) else None for p in prompts]
+        with_images = {"images": [images[i] for i in keep]} if any(images) else {}
+        responses, logprobs, reasons = self.generate_ids(kept, cfg, [seeds[i] for i in keep], **with_images)
         t2 = time.perf_counter()
         texts = (self.tokenizer.batch_decode(responses, skip_special_tokens=True) if self.tokenizer is not None
                  else [""] * len(responses))
@@ -381,6 +432,8 @@ class RolloutEngine(ABC):
         sample_index = [i for i in keep for _ in range(cfg.n)]
         batch = assemble(sample_prompts, sample_index, responses, logprobs, reasons, texts,
                          self.pad_token_id, skipped, {}, self.name)
+        if with_images:  # each sample carries its prompt's images (the actor's forward needs them)
+            batch.pixel_values, batch.image_grid_thw = image_rows([images[i] for i in sample_index])
         batch.timings = {"prepare": t1 - t0, "generate": t2 - t1, "assemble": time.perf_counter() - t2}
         if cfg.record_routing:
             batch.routing = getattr(self, "last_routing", None)

@@ -303,19 +303,23 @@ class HFEngine(RolloutEngine):
             import dataclasses
             config = dataclasses.replace(config, **options)
         if isinstance(model_or_path, (str, bytes)) or hasattr(model_or_path, "__fspath__"):
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+            from rlkit.models.vision import is_vision_language
             from rlkit.rollout.base import load_tokenizer
 
             path = self.path = str(model_or_path)
             dtype = "auto" if config.dtype == "auto" else getattr(torch, config.dtype)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            vl = is_vision_language(AutoConfig.from_pretrained(path))
+            model = (AutoModelForImageTextToText if vl else AutoModelForCausalLM).from_pretrained(path, dtype=dtype)
             if torch.cuda.is_available():
                 model = model.to("cuda")
             tokenizer = tokenizer if tokenizer is not None else load_tokenizer(path)
         else:
             model, self.path = model_or_path, None
         self.model = model  # generate() runs it in eval mode and restores its mode afterwards
+        # a vision-language model: the token its images fill (and weights arrive under the checkpoint's names)
+        self.image_token_id = getattr(model.config, "image_token_id", None)
         self.last_decode = ""  # "lean" or "generate (why)": which loop the last chunk ran
         self.kv = KVStore()  # streaming (continue_ids): running samples' keys and values between chunks
         self.device = next(model.parameters()).device
@@ -336,9 +340,12 @@ class HFEngine(RolloutEngine):
                                 temperature=None, top_k=None, top_p=None)
 
     @torch.no_grad()
-    def generate_ids(self, prompts, cfg, seeds):
+    def generate_ids(self, prompts, cfg, seeds, images=None):
+        if images is not None and self.image_token_id is None:
+            raise RolloutError(f"prompts with images were given to {type(self.model).__name__}, a text-only model; "
+                               f"use a vision-language model (e.g. rlkit.models.tiny_lm('qwen2_5_vl'))")
         with eval_mode(self.model):
-            return self._generate_chunks(prompts, cfg, seeds)
+            return self._generate_chunks(prompts, cfg, seeds, images=images)
 
     def continue_ids(self, prefixes, cfg, seeds, keys, room=None, stale_kv=False, keep_ended=False):
         """``generate_ids`` of one sample per prefix that keeps each sample's keys and values (``self.kv``) under
@@ -361,11 +368,12 @@ class HFEngine(RolloutEngine):
         for key in keys:
             self.kv.take(key, None)
 
-    def _generate_chunks(self, prompts, cfg, seeds, keys=None, room=None, keep_ended=False):
+    def _generate_chunks(self, prompts, cfg, seeds, keys=None, room=None, keep_ended=False, images=None):
         temp = cfg.temperature if cfg.temperature > 0 else 1.0
         ends = set(([] if cfg.ignore_eos else self.eos_ids) + list(cfg.stop_token_ids))
         # each prompt repeated n times, adjacent (what num_return_sequences does, but greedy allows it too)
         rows = [p for p in prompts for _ in range(cfg.n)]
+        row_images = None if images is None else [p for p in images for _ in range(cfg.n)]
         chunk = (cfg.hf_batch_size or len(prompts)) * cfg.n
         responses, logprobs, reasons = [], [], []
         devices = [self.device] if self.device.type == "cuda" else []
@@ -385,7 +393,8 @@ class HFEngine(RolloutEngine):
                     sampler = _Scripted(forced[start:start + chunk], sampler)
                 kv = None
                 if keys is None or self._lean(ids, cfg) is not None:
-                    new, lp, routing = self._decode(ids, mask, cfg, sampler, temp)
+                    new, lp, routing = self._decode(ids, mask, cfg, sampler, temp,
+                                                    None if row_images is None else row_images[start:start + chunk])
                 else:
                     past = [self.kv.take(key, p[:-1]) for p, key in zip(rows[start:start + chunk],
                                                                          keys[start:start + chunk])]
@@ -430,11 +439,12 @@ class HFEngine(RolloutEngine):
         return sampler.pick if sampler is not None else lambda x: x.argmax(-1), ends, self.pad_token_id, stop
 
     def _decode(self, ids: torch.Tensor, mask: torch.Tensor, cfg: Rollout,
-                sampler: _SeededSampling | _Scripted | None,
-                temp: float) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
+                sampler: _SeededSampling | _Scripted | None, temp: float, images: list | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
         """New tokens (rows, T), their log-probs at ``temp`` and (``record_routing``) each row's recorded routing
         for one left-padded chunk: the lean loop
-        when it can stand in for ``generate`` on this model (``decode.unsupported``), else ``generate``."""
+        when it can stand in for ``generate`` on this model (``decode.unsupported``), else ``generate``.
+        ``images``: each row's ``ImagePrompt`` or None (a vision-language model's ``generate`` takes them)."""
         why = self._lean(ids, cfg)
         self.last_decode = "lean" if why is None else f"generate ({why})"
         if why is None:
@@ -444,13 +454,28 @@ class HFEngine(RolloutEngine):
         with recorder:
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                       generation_config=self._generation_config(cfg), stopping_criteria=stopping,
-                                      logits_processor=LogitsProcessorList([sampler] if sampler is not None else []))
+                                      logits_processor=LogitsProcessorList([sampler] if sampler is not None else []),
+                                      **self._image_inputs(ids, images))
         new = out.sequences[:, ids.shape[1]:]
         # with record_routing, every new token's choices per row (_generate_chunks keeps each row's up to its end)
         routing = recorder.per_row(mask, [new.shape[1]] * new.shape[0]) if cfg.record_routing else None
         # log-prob of each sampled token under softmax(raw logits / T), one step at a time so the
         # (rows, vocab) float32 copy exists once, not per step
         return new, torch.stack([token_logprobs(step, new[:, t], temp) for t, step in enumerate(out.logits)], 1), routing
+
+    def _image_inputs(self, ids: torch.Tensor, images: list | None) -> dict[str, torch.Tensor]:
+        """A vision-language model's ``generate`` keywords for a chunk: the rows' images joined in row order and
+        which tokens are image tokens (its multimodal positions count from them)."""
+        if self.image_token_id is None:
+            return {}
+        # positions come from this call's tokens: the last call's offsets (kept on the model) must not carry over
+        self.model.model.rope_deltas = None
+        kw = {"mm_token_type_ids": (ids == self.image_token_id).int().to(self.device)}
+        given = [p for p in images or [] if p is not None]
+        if given:
+            kw["pixel_values"] = torch.cat([p.pixel_values for p in given]).to(self.device)
+            kw["image_grid_thw"] = torch.cat([p.image_grid_thw for p in given]).to(self.device)
+        return kw
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
@@ -467,6 +492,10 @@ class HFEngine(RolloutEngine):
         state = self.model.state_dict()
         nbytes, count = 0, 0
         for name, t in named_tensor_items(named_tensors):
+            if name not in state and self.image_token_id is not None:  # a checkpoint name (rlkit's trainer's)
+                from rlkit.models.vision import module_name
+
+                name = module_name(name)
             if name not in state:
                 raise RolloutError(f"load_weights got {name!r}, which this model does not have; expected HF "
                                    f"checkpoint names such as {list(state)[:3]}")

@@ -189,9 +189,12 @@ class VLLMEngine(RolloutEngine):
                       include_stop_str_in_output=True, skip_special_tokens=True)
         return [SamplingParams(seed=s, **common) for s in seeds]
 
-    def generate_ids(self, prompts, cfg, seeds):
+    def generate_ids(self, prompts, cfg, seeds, images=None):
         if cfg.script:
             raise RolloutError(SCRIPT_HF_ONLY)
+        if images is not None:
+            raise RolloutError("prompts with images on the vLLM engine are not supported yet; use Rollout(engine='hf') "
+                               "for a vision-language model")
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts],
                                  self._sampling_params(cfg, seeds), use_tqdm=False)
         responses, logprobs, reasons = [], [], []

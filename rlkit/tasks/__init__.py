@@ -3,7 +3,9 @@
 Each task is a small dataclass: calling it returns its dataset (a ``list[dict]`` with ``prompt`` and
 answer columns, ``.to_pandas()`` for a DataFrame) and ``task.reward`` is a TRL-style reward function
 ``f(prompts, completions, **columns) -> list[float]``. Ready-made instances: ``arithmetic``
-(2-digit addition), ``chat_arithmetic`` (the same asked in a chat, for instruction-tuned models) and ``repeat`` (repeat the prompt's letter, learnable by RL from a random init).
+(2-digit addition), ``chat_arithmetic`` (the same asked in a chat, for instruction-tuned models), ``repeat`` (repeat the
+prompt's letter, learnable by RL from a random init) and ``shapes`` (count the shapes in a picture: a
+vision-language task).
 ``reasoning_gym(name, **config)`` makes a task of any of reasoning-gym's procedural generators, scored by
 its own verifier.
 
@@ -19,6 +21,7 @@ from rlkit.tasks.arith import Arithmetic, ChatArithmetic, first_number, last_num
 from rlkit.tasks.base import Rows, completion_text
 from rlkit.tasks.calc import Calculator, calculator
 from rlkit.tasks.letters import Repeat
+from rlkit.tasks.pictures import Shapes
 from rlkit.tasks.reasoning import ChatReasoningGym, ReasoningGym, reasoning_gym
 from rlkit.tasks.sft import evaluate, sft_log, sft_warmstart
 
@@ -26,7 +29,8 @@ arithmetic = Arithmetic()
 repeat = Repeat()
 
 chat_arithmetic = ChatArithmetic()
+shapes = Shapes()
 
 __all__ = ["Arithmetic", "Calculator", "calculator", "ChatArithmetic", "ChatReasoningGym", "ReasoningGym", "Repeat", "chat_arithmetic", "last_number",
            "Rows", "arithmetic", "completion_text", "evaluate", "first_number", "reasoning_gym", "repeat", "sft_log",
-           "sft_warmstart"]
+           "sft_warmstart", "Shapes", "shapes"]

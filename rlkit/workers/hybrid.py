@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from rlkit.batch import Batch
+from rlkit.errors import PlanError
 from rlkit.parallel import ParallelModel
 from rlkit.parallel.apply import apply_tp
 from rlkit.parallel.groups import GenerationGroups
@@ -136,20 +137,27 @@ class HybridRollout:
 def _engine_shell(model_path: str, actor: ParallelModel, tg: int, tp_mesh: Any) -> tuple[nn.Module, list]:
     """The HF model the engine runs, built on meta and laid out for ``tg``-way TP; its parameters are
     slots that ``_install`` fills with the generation shard (and ``_uninstall`` empties)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, GenerationConfig
+
+    from rlkit.models.vision import checkpoint_name, is_vision_language
 
     config = AutoConfig.from_pretrained(str(model_path))
+    vl = is_vision_language(config)
+    if vl and tg > 1:
+        raise PlanError(f"Rollout(tp={tg}) for a vision-language model is not supported yet; use Rollout(tp=1)")
     dtype = next(iter(actor.params)).dtype
     with torch.device("meta"):
-        shell = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        shell = (AutoModelForImageTextToText if vl else AutoModelForCausalLM).from_config(config, dtype=dtype)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if tied:
-        shell.lm_head.weight = shell.model.embed_tokens.weight
+        shell.lm_head.weight = shell.get_input_embeddings().weight
     if tg > 1:
         apply_tp(shell, tp_mesh, config)
-    rotary = shell.model.rotary_emb
-    with torch.device(actor.device):
-        shell.model.rotary_emb = type(rotary)(config=config)
+    # rotary modules (the language model's, a vision tower's) hold computed buffers: built for real
+    for name, rotary in [(n, m) for n, m in shell.named_modules() if hasattr(m, "inv_freq")]:
+        parent, _, attr = name.rpartition(".")
+        with torch.device(actor.device):
+            setattr(shell.get_submodule(parent), attr, type(rotary)(config=getattr(rotary, "config", config)))
     try:
         shell.generation_config = GenerationConfig.from_pretrained(str(model_path))
     except OSError:
@@ -160,6 +168,7 @@ def _engine_shell(model_path: str, actor: ParallelModel, tg: int, tp_mesh: Any) 
     for mod_name, mod in shell.named_modules():
         for attr, p in list(mod.named_parameters(recurse=False)):
             name = f"{mod_name}.{attr}" if mod_name else attr
+            name = checkpoint_name(name) if vl else name  # the actor's names are the checkpoint's
             slots.append((mod, attr, seen.get(id(p), name), p))
             seen.setdefault(id(p), name)
     return shell.eval(), slots

@@ -114,6 +114,8 @@ class SequenceLayout:
             for i, rt in enumerate(out.routing):
                 p_i = int(out.prompt_mask[i].sum())
                 batch.routing[i, P - p_i:P - p_i + rt.shape[0]] = rt
+        if out.pixel_values is not None:  # a vision-language model's: each sample's prompt images
+            batch.pixel_values, batch.image_grid_thw = list(out.pixel_values), list(out.image_grid_thw)
         if out.loss_mask is not None:  # multi-turn: only the sampled tokens carry loss; the completion is a chat
             batch.loss_mask = torch.zeros(n, R)
             batch.loss_mask[:, :r] = out.loss_mask.float()

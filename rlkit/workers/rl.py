@@ -182,7 +182,7 @@ class RLWorker:
         """The actor's ``logprobs`` and ``entropy`` of the response tokens (pi_old, before an update)."""
         self._training_layout()
         batch = Batch.of(batch)
-        out = self.actor.logprobs(batch.input_ids, batch.attention_mask, **_routing_of(batch))
+        out = self.actor.logprobs(batch.input_ids, batch.attention_mask, **_routing_of(batch), **images_of(batch))
         return Scored(logprobs=self.layout.response(out["logprobs"]), entropy=self.layout.response(out["entropy"]))
 
     def ref_logprobs(self, batch: Batch) -> RefScored:
@@ -191,15 +191,15 @@ class RLWorker:
         if self.ref is None and self.actor.lora is not None:
             self._training_layout()
             with self.actor.adapters_disabled():
-                out = self.actor.logprobs(batch.input_ids, batch.attention_mask)
+                out = self.actor.logprobs(batch.input_ids, batch.attention_mask, **images_of(batch))
         else:
-            out = self.ref.logprobs(batch.input_ids, batch.attention_mask)
+            out = self.ref.logprobs(batch.input_ids, batch.attention_mask, **images_of(batch))
         return RefScored(ref_logprobs=self.layout.response(out["logprobs"]))
 
     def values(self, batch: Batch) -> Valued:
         """The critic's ``values`` of the states before each response token."""
         batch = Batch.of(batch)
-        return Valued(values=self.layout.values(self.critic.values(batch.input_ids, batch.attention_mask)["values"]))
+        return Valued(values=self.layout.values(self.critic.values(batch.input_ids, batch.attention_mask, **images_of(batch))["values"]))
 
     # ---- updates -------------------------------------------------------------------------------
     def update_actor(self, batch: Batch, settings: UpdateSettings) -> dict[str, float]:
@@ -451,6 +451,12 @@ def is_maximum(key: str) -> bool:
 def _routing_of(batch: Batch) -> dict[str, torch.Tensor]:
     """The actor's ``routing=`` for a batch with the engine's recorded routing (mixture of experts)."""
     return {} if batch.routing is None else {"routing": batch.routing}
+
+
+def images_of(batch: Batch) -> dict[str, list[torch.Tensor]]:
+    """A model's ``pixel_values=`` and ``image_grid_thw=`` for a batch with images (a vision-language model's)."""
+    return {} if batch.pixel_values is None else {"pixel_values": batch.pixel_values,
+                                                  "image_grid_thw": batch.image_grid_thw}
 
 
 def router_metrics(stats: dict[str, Any]) -> dict[str, float]:

@@ -27,6 +27,7 @@ import torch
 from rlkit.batch import Batch, take
 from rlkit.errors import WorkerError
 from rlkit.parallel.packing import balanced_order
+from rlkit.rollout.base import ImagePrompt
 from rlkit.workers.base import BaseWorkerGroup
 from rlkit.workers.layout import SequenceLayout
 from rlkit.workers.placement import Placement
@@ -345,7 +346,8 @@ class PendingBatch:
             batch = Batch.cat(parts) if isinstance(parts, list) else parts
             prompts = self.prompts
             # each sample's prompt row (what reward functions get), and the policy version that sampled it
-            batch.columns = {k: [prompts[u][k] for u in batch.uid] for k in prompts[0] if k not in ("_row", "_env_row")}
+            batch.columns = {k: [_as_text(prompts[u][k]) for u in batch.uid] for k in prompts[0]
+                             if k not in ("_row", "_env_row")}
             batch.policy_version = torch.full((len(batch),), int(self.policy_version), dtype=torch.long)
             self._batch = batch
         return self._batch
@@ -362,3 +364,8 @@ class SyncInFlight:
             self.reports = self.reports + list(self.later.result(timeout))
             self.later = None
         return self.reports
+
+
+def _as_text(value: Any) -> Any:
+    """A column value as reward functions get it: a prompt with images (``ImagePrompt``) as its rendered text."""
+    return value.text if isinstance(value, ImagePrompt) else value

@@ -26,7 +26,7 @@ from rlkit.batch import Batch
 from rlkit.parallel.groups import build_groups
 from rlkit.plan.topology import ParallelPlan
 from rlkit.workers.layout import SequenceLayout
-from rlkit.workers.rl import RefScored
+from rlkit.workers.rl import RefScored, images_of
 
 
 class TeacherWorker:
@@ -51,7 +51,7 @@ class TeacherWorker:
     def ref_logprobs(self, batch: Batch) -> RefScored:
         """The teacher's log-probs of this DP rank's samples' response tokens (the reference's column)."""
         batch = Batch.of(batch)
-        out = self.model.logprobs(batch.input_ids, batch.attention_mask)
+        out = self.model.logprobs(batch.input_ids, batch.attention_mask, **images_of(batch))
         return RefScored(ref_logprobs=self.layout.response(out["logprobs"]))
 
     def close(self) -> None:
