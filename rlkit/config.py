@@ -57,6 +57,7 @@ class TrainerConfig:
     router_z_coef: float = 0.0           # mixture of experts: the router's z-loss weight (ST-MoE; 0: off)
     routing_replay: bool = False         # mixture of experts: the actor routes by the engine's recorded experts (R3;
     #                                      needs Rollout(record_routing=True))
+    freeze_vision: bool = False          # vision-language models: the vision tower keeps its weights (train the LM only)
     lora: Any = None                     # peft LoraConfig (TRL's peft_config) or an int rank: train adapters only
     backend: Any = "torch"               # who trains: "torch" | "megatron" | "deepspeed" or rlkit.Backend(...) (rlkit.backends)
     off_policy_steps: int = 0            # 1: one-step-off async RL (split placement): step k+1's batch samples during step k
@@ -138,6 +139,7 @@ class TrainerConfig:
                "0 turns the load-balancing loss off", **err)
         number("router_z_coef", self.router_z_coef, ge=0, hint="e.g. 0.001 (ST-MoE); 0 turns the z-loss off", **err)
         boolean("routing_replay", self.routing_replay, **err)
+        boolean("freeze_vision", self.freeze_vision, **err)
         number("kl_coef", self.kl_coef, ge=0, hint="0 turns the KL term (and the reference model) off", **err)
         choice("kl_kind", self.kl_kind, KL_KINDS, **err)
         if self.teacher is not None and not (isinstance(self.teacher, str) and self.teacher):

@@ -377,6 +377,34 @@ def check_moe(config: TrainerConfig, model_path: str, rollout: Rollout) -> None:
                            f"leave {' and '.join(asked)} at 0")
 
 
+def check_vision(config: TrainerConfig, model_path: str, backend: Any, plan: ParallelPlan, rollout: Rollout,
+                 agent: Any) -> None:
+    """What a vision-language model runs with today: the torch backend, pp=1, the HF engine with Rollout(tp=1),
+    single-turn episodes; and ``freeze_vision=True`` needs one."""
+    from transformers import AutoConfig
+
+    from rlkit.models.vision import is_vision_language
+    from rlkit.rollout import engine_name
+
+    vl = is_vision_language(AutoConfig.from_pretrained(model_path))
+    if config.freeze_vision and not vl:
+        raise TrainerError(f"freeze_vision=True keeps a vision tower fixed, but model {model_path!r} is a text-only "
+                           f"model; use freeze_vision=False")
+    if not vl:
+        return
+    limits = [(getattr(backend, "name", "torch") != "torch", f"backend={getattr(backend, 'name', backend)!r}",
+               "backend='torch'"),
+              (plan.pp > 1, f"pp={plan.pp} (the tower and the multimodal positions through a pipeline)",
+               "pp=1 with dp and tp"),
+              (engine_name(rollout, model_path) == "vllm", "Rollout(engine='vllm')", "Rollout(engine='hf')"),
+              ((rollout.tp or 1) > 1, f"Rollout(tp={rollout.tp})", "Rollout(tp=1)"),
+              (agent is not None, "multi-turn episodes (tools=, environment=)", "single-turn prompts")]
+    for hit, what, fix in limits:
+        if hit:
+            raise TrainerError(f"model {model_path!r} is a vision-language model; {what} is not supported for it "
+                               f"yet; use {fix}")
+
+
 def check_loss_options(config: TrainerConfig, policy_loss: Callable[..., Any], name: str) -> None:
     """``config.loss_options`` that the algorithm's policy loss ``name`` takes, with values it accepts
     (``rlkit.algos.check_loss_options``); a TrainerError naming the option and the fix otherwise."""

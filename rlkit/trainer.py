@@ -136,6 +136,7 @@ class Trainer(TrainerIO):
         inputs.check_lora(self.config, self.model_path, self.plan)
         inputs.check_moe(self.config, self.model_path, self.rollout)
         self.backend = inputs.check_backend(self.config, self.plan, self.model_path, self.rollout)
+        inputs.check_vision(self.config, self.model_path, self.backend, self.plan, self.rollout, self.agent)
         inputs.check_off_policy(self.config, self.placement)
         inputs.check_overlong(self.config, self.agent)
         inputs.check_streaming(self.config, self.placement, self.agent)
@@ -169,7 +170,8 @@ class Trainer(TrainerIO):
                              need_ref=self.passes.reference, need_critic=self.passes.values, precision=c.precision,
                              padding_free=inputs.padding_free(c, self.plan), micro_batch_tokens=c.micro_batch_tokens,
                              lora=c.lora, agent=self.agent, train_backend=self.backend, ref_path=self.teacher_path,
-                             router=(c.router_aux_coef, c.router_z_coef), routing_replay=c.routing_replay)
+                             router=(c.router_aux_coef, c.router_z_coef), routing_replay=c.routing_replay,
+                             freeze_vision=c.freeze_vision)
         self.workers, self.cluster = RLWorkers.start(
             self.placement, self.cluster, model_path=self.model_path, layout=self.layout,
             worker_kwargs=worker_kwargs, seed=c.seed, timeout_s=c.timeout_s, owner=self,

@@ -49,6 +49,7 @@ TRAINER_CONFIG_BAD = {
     "router_aux_coef": [(-0.01, "router_aux_coef=-0.01 must be a finite number >= 0"), (NAN, "router_aux_coef=nan")],
     "router_z_coef": [(-1, "router_z_coef=-1 must be a finite number >= 0"), ("big", "router_z_coef='big'")],
     "routing_replay": [(1, "routing_replay=1 must be True or False")],
+    "freeze_vision": [("yes", "freeze_vision='yes' must be True or False")],
     "teacher": [("", "teacher='' must be a checkpoint"), (3, "teacher=3 must be a checkpoint")],
     "kl_kind": [("k7", "kl_kind='k7': choose one of ['k1', 'kl', 'abs', 'k2', 'mse', 'k3', 'low_var_kl']")],
     "kl_in_reward": [("yes", "kl_in_reward='yes' must be True or False")],

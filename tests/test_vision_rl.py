@@ -96,21 +96,34 @@ def test_the_hf_engine_generates_from_images_as_generate_does(vlm):
         HFEngine(tiny_lm("qwen2", size="test"), max_new_tokens=2).generate(prompts[:1])
 
 
-@pytest.mark.parametrize("layout", [["--dp", "2", "--padding-free"], ["--tp", "2"]], ids=["dp2-packed", "tp2"])
-def test_each_layout_matches_the_single_process_model(layout, tmp_path):
+LAYOUTS = {"dp2-packed": ["--dp", "2", "--padding-free"], "tp2": ["--tp", "2"],
+           "dp2-lora": ["--dp", "2", "--lora", "4"], "tp2-frozen-tower": ["--tp", "2", "--freeze-vision"]}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_each_layout_matches_the_single_process_model(name, tmp_path):
     """Two ranks against transformers' own forward of the whole model (images and positions its own way):
-    log-probs, every gradient (the vision tower's included), the weights after 3 AdamW steps and the gathered
-    weights loaded into a fresh model. (dp=2 unpacked runs the same code as dp=2 packed minus the packing.)"""
+    log-probs, every gradient, the weights after 3 AdamW steps and the gathered weights loaded into a fresh
+    model. The vision tower trains (its gradients compared), keeps its weights (frozen: no gradients, the
+    weights compared unchanged), or with LoRA only the language model's adapters train. (dp=2 unpacked runs
+    the same code as dp=2 packed minus the packing.)"""
     from rlkit.parallel.launch import launch
 
-    res = launch(2, [*layout, "--model", "tiny-qwen2_5_vl", "--steps", "3", "--seq-len", "16"], tmp_path,
+    res = launch(2, [*LAYOUTS[name], "--model", "tiny-qwen2_5_vl", "--steps", "3", "--seq-len", "16"], tmp_path,
                  timeout=300)
-    assert res.returncodes == [0, 0], res.log[-3000:]
+    assert res.returncodes == [0, 0], res.log()[-3000:]
     r = res.report
     assert r["max_dlogprob"] < 1e-5 and r["max_dentropy"] < 1e-5
     assert r["max_dgrad"] < 1e-5 and r["max_dweight"] < 1e-5, r["max_dgrad_param"]
     assert r["strict_load"] and r["max_dlogprob_gathered_model"] < 1e-5
-    assert any(name.startswith("visual.") for name in r["grad_names"])
+    tower = [n for n in r["grad_names"] if n.startswith("visual.")]
+    if "lora" in name:
+        assert not tower and all(".lora_" in n and n.startswith("model.layers.") for n in r["grad_names"])
+        assert r["max_dadapter"] < 1e-5
+    elif "frozen" in name:
+        assert not tower and "model.layers.0.mlp.up_proj.weight" in r["grad_names"]
+    else:
+        assert "visual.patch_embed.proj.weight" in tower and "visual.merger.mlp.2.weight" in tower
 
 
 def by_text(prompts, completions, **kw):
@@ -119,12 +132,13 @@ def by_text(prompts, completions, **kw):
     return [zlib.crc32(c.encode()) % 97 / 97 for c in completions]
 
 
-def test_grpo_on_pictures_through_the_trainer(vlm, tmp_path):
+@pytest.mark.parametrize("freeze_vision", [False, True], ids=["tower-trained", "tower-frozen"])
+def test_grpo_on_pictures_through_the_trainer(vlm, freeze_vision, tmp_path):
     path, proc, hf = vlm
     start = {n: p.detach().clone() for n, p in hf.named_parameters()}
     with rlkit.Trainer(model=path, dataset=rlkit.tasks.Shapes(), reward=by_text, algorithm="grpo",
                        rollout=rlkit.Rollout(engine="hf", n=4, max_new_tokens=4), prompts_per_step=2, lr=1e-2,
-                       seed=0, kl_coef=0.0, epochs=2, run_dir=str(tmp_path / "run")) as tr:
+                       seed=0, kl_coef=0.0, epochs=2, freeze_vision=freeze_vision, run_dir=str(tmp_path / "run")) as tr:
         batch = tr.estimate(tr.generate())
         s = batch.samples
         assert len(s.pixel_values) == 8 and all(g.tolist() == [[1, 4, 4]] for g in s.image_grid_thw)
@@ -145,7 +159,7 @@ def test_grpo_on_pictures_through_the_trainer(vlm, tmp_path):
         saved = tr.save_pretrained(tmp_path / "hf")
     after = AutoModelForImageTextToText.from_pretrained(saved)
     moved = {n for n, p in after.named_parameters() if not torch.equal(p, start[n])}
-    assert any(n.startswith("model.visual.") for n in moved) and "lm_head.weight" in moved
+    assert any(n.startswith("model.visual.") for n in moved) != freeze_vision and "lm_head.weight" in moved
     assert load_processor(saved).image_processor.merge_size == 2
 
 
@@ -167,3 +181,7 @@ def test_bad_image_inputs_are_driver_errors(vlm, tmp_path):
         rlkit.Trainer(model=str(bare), dataset=rows, **kw)
     with pytest.raises(TrainerError, match=r"row 0, image 0: .*cannot open|row 0, image 0"):
         rlkit.Trainer(model=path, dataset=[{**rows[0], "image": str(tmp_path / "missing.png")}], **kw)
+    with pytest.raises(TrainerError, match=r"freeze_vision=True keeps a vision tower fixed, but model .* text-only"):
+        rlkit.Trainer(model=tiny_lm("qwen2", size="test"), dataset=rlkit.tasks.repeat, freeze_vision=True, **kw)
+    with pytest.raises(TrainerError, match=r"vision-language model; pp=2 .* is not supported for it yet; use pp=1"):
+        rlkit.Trainer(model=path, dataset=rows, plan=rlkit.ParallelPlan(pp=2), **kw)

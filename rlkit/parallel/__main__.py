@@ -40,6 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lora", type=int, default=None, help="train LoRA adapters of this rank (alpha 2r)")
     p.add_argument("--lora-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                    help="comma-separated target modules (with --lora)")
+    p.add_argument("--freeze-vision", action="store_true", help="a vision-language model: keep its tower fixed")
     p.add_argument("--ckpt", default=None, help="folder for a save -> load -> continue check")
     p.add_argument("--reshard-from", default=None,
                    help="a --ckpt run's step1 folder written by another plan: load it into this plan and go on")
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
                                 activation_checkpointing=args.activation_checkpointing,
                                 padding_free=args.padding_free, token_budget=args.token_budget,
                                 lora=_lora_config(args), router_aux_coef=args.router_aux_coef,
-                                router_z_coef=args.router_z_coef)
+                                router_z_coef=args.router_z_coef, freeze_vision=args.freeze_vision)
     except WorkerError as e:
         # The failing rank prints the whole traceback; the others one line naming it.
         text = str(e) if e.rank == rank else str(e).splitlines()[0]

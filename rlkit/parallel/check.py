@@ -146,7 +146,7 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
               head: str = "lm", lr: float = 1e-3, max_grad_norm: float = 1.0, ckpt_dir: str | None = None,
               seed: int = 0, fail_rank: int | None = None, activation_checkpointing: bool = False,
               padding_free: bool = False, token_budget: int | None = None, lora: Any = None,
-              router_aux_coef: float = 0.0, router_z_coef: float = 0.0) -> dict[str, Any]:
+              router_aux_coef: float = 0.0, router_z_coef: float = 0.0, freeze_vision: bool = False) -> dict[str, Any]:
     """Run the plan and the reference side by side; returns the report (complete on rank 0).
 
     ``lora`` (a peft ``LoraConfig`` or a rank): the plan trains adapters only; the reference is the HF model
@@ -157,6 +157,9 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     ``router_z_coef``; the reference's by transformers' ``load_balancing_loss_func``), and reports their
     values (``aux_loss`` / ``ref_aux_loss``, ``z_loss`` / ``ref_z_loss``: the first step's means).
 
+    ``freeze_vision`` (a vision-language model): both sides keep the vision tower fixed; its weights after the
+    steps are compared too (unchanged on both).
+
     ``padding_free``: the plan runs packed rows (``token_budget`` tokens per micro-batch) on a ragged batch,
     each micro-batch weighted by its response tokens; the reference is the padded model on the whole
     batch at once, so the objective must be the step's token mean however the plan cut it."""
@@ -164,13 +167,16 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
     ref = load_hf(model)
     lora_cfg = None
     if lora is not None:
-        from rlkit.parallel.lora import as_lora_config
-        lora_cfg = as_lora_config(lora)
+        from rlkit.parallel.lora import as_lora_config, check_lora
+        lora_cfg = check_lora(as_lora_config(lora), ref)  # as ParallelModel takes it (a VLM: not on its tower)
         ref = _peft_reference(ref, lora_cfg, seed)
     # eps=1e-6: Adam divides by sqrt(v) + eps, so with 1e-8 a 1e-10 difference in a near-zero
     # gradient (reduction order) moves a weight by ~1e-2 * lr; 1e-6 keeps the comparison tight.
     opt = dict(lr=lr, weight_decay=0.01, eps=1e-6, activation_checkpointing=activation_checkpointing)
     opt |= {"router_aux_coef": router_aux_coef, "router_z_coef": router_z_coef}
+    if freeze_vision:
+        opt["freeze_vision"] = True
+        ref.visual.requires_grad_(False)
     pm = ParallelModel(model, plan, head=head, max_grad_norm=max_grad_norm, seed=seed, lora=lora_cfg, **opt)
     pm.set_packing(padding_free, token_budget)
     weight_fn = response_tokens if padding_free else None
@@ -189,7 +195,7 @@ def run_check(model: Any, plan: ParallelPlan, *, steps: int = 3, seq_len: int = 
         ref_named |= {f"value_head.{k}": v for k, v in ref_vh.named_parameters()}
     if lora_cfg is not None:  # only the adapters train
         ref_named = {k: v for k, v in ref_named.items() if v.requires_grad}
-    ref_params = list(ref_named.values())
+    ref_params = [p for p in ref_named.values() if p.requires_grad]
     ref_opt = torch.optim.AdamW(ref_params, lr=lr, weight_decay=0.01, eps=1e-6, foreach=False)
     loss_fn = value_loss if head == "value" else ppo_loss
     router: dict[str, list[float]] = {"aux_loss": [], "z_loss": [], "added": []}

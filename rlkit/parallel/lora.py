@@ -32,6 +32,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from contextlib import contextmanager
@@ -105,9 +106,13 @@ def linear_names(model_or_config: Any) -> list[str]:
 def _meta_model(model_or_config: Any) -> nn.Module:
     if isinstance(model_or_config, nn.Module):
         return model_or_config
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from rlkit.models.vision import causal_view, is_vision_language
 
     with torch.device("meta"):
+        if is_vision_language(model_or_config):
+            return causal_view(AutoModelForImageTextToText.from_config(model_or_config))
         return AutoModelForCausalLM.from_config(model_or_config)
 
 
@@ -139,13 +144,19 @@ def check_lora(lora: Any, model_or_config: Any, *, tp: int = 1, head: str = "lm"
         raise PlanError(f"LoraConfig(lora_dropout={cfg.lora_dropout}) with tp={tp}: the TP ranks would draw "
                         f"different dropout masks for the same replicated input; use lora_dropout=0.0 (usual in RL)")
     model = _meta_model(model_or_config)
+    if getattr(model, "visual", None) is not None:  # a vision-language model: adapters on its language model only
+        if cfg.exclude_modules not in (None, VISION_TOWER):
+            raise PlanError(f"LoraConfig(exclude_modules={cfg.exclude_modules!r}) with a vision-language model is "
+                            f"not supported yet: rlkit keeps the adapters off the vision tower itself; leave "
+                            f"exclude_modules at None")
+        cfg = dataclasses.replace(cfg, exclude_modules=VISION_TOWER)
     linears = linear_names(model)
     targets = cfg.target_modules
     if targets is None or (isinstance(targets, (list, set, tuple)) and not targets):
         raise PlanError(f"LoraConfig has no target_modules; name some of the model's linear layers: {linears}")
     if targets == "all-linear":
         return cfg
-    matched = _targeted(model, targets)
+    matched = [n for n in _targeted(model, targets) if not re.fullmatch(VISION_TOWER, n)]
     if not matched:
         raise PlanError(f"LoraConfig(target_modules={_show(targets)}) matches no linear layer of this model; "
                         f"its decoder layers' linear layers are {linears}")
@@ -155,6 +166,9 @@ def check_lora(lora: Any, model_or_config: Any, *, tp: int = 1, head: str = "lm"
                         f"lm_head is not supported (they are vocab-sharded under TP); target the decoder "
                         f"layers' {linears}")
     return cfg
+
+
+VISION_TOWER = r"visual(\..*)?"  # a vision-language model's tower (rlkit.models.vision.causal_view): no adapters
 
 
 def _show(targets: Any) -> str:

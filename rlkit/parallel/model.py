@@ -94,6 +94,8 @@ class ParallelModel:
         router_aux_coef, router_z_coef: mixture-of-experts models: the weights of the router's
             load-balancing loss and z-loss in the objective (``rlkit.parallel.moe``; 0: not trained, still
             measured). ``plan.ep`` shards the experts (expert parallelism).
+        freeze_vision: a vision-language model: its vision tower (the merger into the language model included)
+            keeps its weights, with no gradients and no AdamW state; the language model trains.
 
     >>> # under torchrun --nproc-per-node 8 (see python -m rlkit.parallel):
     >>> pm = ParallelModel(tiny_lm("qwen2"), ParallelPlan(dp=2, tp=2, pp=2))   # doctest: +SKIP
@@ -107,7 +109,7 @@ class ParallelModel:
                  max_grad_norm: float | None = 1.0, activation_checkpointing: bool = False,
                  layer_split: list[int] | None = None, seed: int = 0, logprob_chunk: int = 1024,
                  groups: ProcessGroups | None = None, mp_policy=None, precision: str = "fp32", lora: Any = None,
-                 router_aux_coef: float = 0.0, router_z_coef: float = 0.0):
+                 router_aux_coef: float = 0.0, router_z_coef: float = 0.0, freeze_vision: bool = False):
         choice("precision", precision, tuple(PRECISIONS), error=PlanError)
         # A local checkpoint loads sharded: built on meta, each rank reads only the shards it keeps
         # (loading.py). A module (or a hub id) is loaded whole, then sliced; so is a one-rank plan's
@@ -160,9 +162,13 @@ class ParallelModel:
         self.stage_ids, self.stages = split_stages(hf, plan, self.pp_rank, head=head, value_head=value_head,
                                                    split=layer_split, logprob_chunk=logprob_chunk)
         del hf  # layers of other stages are freed with it
+        if freeze_vision and self.vision is None:
+            raise PlanError("freeze_vision=True applies to a vision-language model; this one has no vision tower")
         self.moes = []
         for st in self.stages:
             st.compute_dtype = PRECISIONS[precision]
+            if freeze_vision and st.visual is not None:
+                st.visual.requires_grad_(False)
             if is_moe(self.config):  # rlkit routes the experts: EP, the router's losses, its load
                 st.moes = apply_moe(st.model, self.config, self.groups.ep_mesh)
                 for moe in st.moes:

@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+from pathlib import Path
 
 from rlkit.rollout.base import RolloutBatch, RolloutEngine
 from rlkit.rollout.config import SAMPLING_FIELDS, PromptTooLongError, Rollout, RolloutError
@@ -27,7 +29,7 @@ def vllm_available() -> bool:
 
 def engine_name(rollout: Rollout, path="") -> str:
     """The engine ``rollout.engine`` resolves to: "auto" is vLLM when installed and ``path`` a folder, else HF
-    (always HF with ``record_routing``).
+    (always HF with ``record_routing``, and for a vision-language checkpoint).
 
     >>> engine_name(Rollout(engine="hf"))
     'hf'
@@ -36,6 +38,9 @@ def engine_name(rollout: Rollout, path="") -> str:
         return rollout.engine
     if rollout.record_routing:  # the HF engine records the experts each token went to; vLLM's does not
         return "hf"
+    config = Path(str(path)) / "config.json"
+    if isinstance(path, (str, os.PathLike)) and config.is_file() and "vision_config" in json.loads(config.read_text()):
+        return "hf"  # images: the HF engine's (rlkit's vLLM engine takes text prompts)
     return "vllm" if vllm_available() and isinstance(path, (str, os.PathLike)) else "hf"
 
 

@@ -89,7 +89,7 @@ class RLWorker:
                  precision: str = "fp32", padding_free: bool = False, micro_batch_tokens: int | None = None,
                  lora: Any = None, agent: Any = None, train_backend: Backend | None = None,
                  ref_path: str | None = None, router: tuple[float, float] = (0.0, 0.0),
-                 routing_replay: bool = False):
+                 routing_replay: bool = False, freeze_vision: bool = False):
         from transformers import AutoConfig
 
         torch.manual_seed(seed)
@@ -105,7 +105,8 @@ class RLWorker:
         common = dict(max_grad_norm=max_grad_norm, seed=seed, eps=1e-6, precision=precision, groups=groups)
         # a mixture of experts' router losses (the driver allows them on the torch backend only)
         moe = dict(zip(("router_aux_coef", "router_z_coef"), router)) if any(router) else {}
-        self.actor = make_model(backend, model_path, plan, lr=actor_lr, lora=lora, **common, **moe)
+        frozen = {"freeze_vision": True} if freeze_vision else {}  # a vision-language model's tower kept as it is
+        self.actor = make_model(backend, model_path, plan, lr=actor_lr, lora=lora, **common, **moe, **frozen)
         # LoRA: the reference is the actor with its adapters off (no second copy of the model, as TRL and verl);
         # a distillation teacher (ref_path) takes the reference's place, sharded by the same plan
         self.ref = make_model(backend, ref_path or model_path, plan, lr=0.0, **common) \
