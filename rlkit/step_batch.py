@@ -151,10 +151,15 @@ class StepBatch:
     def table(self, logprobs: bool = False):
         """One row per sample: prompt uid, dataset row, prompt, completion, reward, tokens, finish
         reason, and (after ``estimate``) the advantage (mean over its tokens); with ``logprobs`` the
-        engine's per-token log-probs (and the old / reference ones when estimated) as lists."""
+        engine's per-token log-probs (and the old / reference ones when estimated) as lists.
+
+        Samples of rows with images (a vision-language run) get an ``image`` column after the prompt, shown
+        as thumbnails in Jupyter and as the images' sizes ("56x56") in text (``rlkit.widgets.samples``);
+        their prompt is the rendered text."""
         import pandas as pd
 
         from rlkit.agent.episodes import conversation_text
+        from rlkit.widgets.samples import with_images
 
         s = self.samples
         tokens = s.response_mask.sum(1)
@@ -175,11 +180,20 @@ class StepBatch:
                             ("ref_logprobs", s.ref_logprobs)):
                 if t is not None:
                     df[name] = [t[i, :int(n)].tolist() for i, n in enumerate(tokens)]
-        return df
+        return with_images(df, self._sample_rows())
+
+    def _sample_rows(self) -> list[dict[str, Any] | None]:
+        """Each sample's dataset row (its prompt's), for its images; else its own image columns."""
+        cols, n = self.samples.columns or {}, len(self.prompts)
+        return [self.prompts[int(u)] if u is not None and 0 <= int(u) < n
+                else {k: cols[k][i] for k in ("image", "images") if k in cols}
+                for i, u in enumerate(self.samples.uid if self.samples.uid is not None else [None] * len(self))]
 
     def _repr_html_(self) -> str:
+        from rlkit.widgets.samples import table_html
+
         state = "estimated" if self.estimated else "not estimated"
-        return f"<b>StepBatch</b> of step {self.step + 1}: {len(self)} samples, {state}" + self.table().to_html()
+        return f"<b>StepBatch</b> of step {self.step + 1}: {len(self)} samples, {state}" + table_html(self.table())
 
     def __repr__(self) -> str:
         return (f"StepBatch(step={self.step + 1}, samples={len(self)}, prompts={len(self.prompts)}, "

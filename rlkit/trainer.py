@@ -214,7 +214,8 @@ class Trainer(TrainerIO):
         self.runs.write_config(self._state_config())
         self._open_trackers()
         live = LiveView(steps, mode=view, title=f"{self.algorithm} on {self.plan.describe()}",
-                        workers=self.workers_table if self.cluster is not None else None)
+                        workers=self.workers_table if self.cluster is not None else None,
+                        samples=lambda: self.samples(last=1))
         stop = StopOnInterrupt()
         target = self.step + steps
         try:
@@ -599,7 +600,8 @@ class Trainer(TrainerIO):
         trackers = self._open_trackers()  # report_to: the row, and this step's samples as a table
         if trackers:
             trackers.log_metrics(row)
-            trackers.log_samples(self.samples(last=1), self.step)
+            shown = self.samples(last=1)  # trackers get the images' sizes as text, not thumbnails
+            trackers.log_samples(shown.assign(image=shown["image"].map(str)) if "image" in shown else shown, self.step)
 
     def _open_trackers(self):
         """The ``report_to`` trackers, opened once per Trainer (by ``fit`` or a first ``update``), their
@@ -627,8 +629,11 @@ class Trainer(TrainerIO):
 
     def samples(self, last: int | None = None, ids: bool = False):
         """Prompts, completions and rewards of recent steps (a DataFrame); with ``ids`` also each completion's
-        token ids (``rlkit.widgets.live.readable_samples`` shows them where the text is not printable)."""
-        return self.history.samples(self.step, last, ids)
+        token ids (``rlkit.widgets.live.readable_samples`` shows them where the text is not printable). Samples of
+        prompts with images show them as thumbnails in Jupyter (an ``image`` column)."""
+        from rlkit.widgets.samples import trainer_samples
+
+        return trainer_samples(self.history.samples(self.step, last, ids), self.rows)
 
     def evaluate(self, dataset: Any = None, n: int = 64, greedy: bool | None = None, k: int = 1) -> dict[str, float]:
         """The current policy on ``n`` held-out prompts (the task's test split, the "test" / "validation" split of

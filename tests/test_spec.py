@@ -28,8 +28,11 @@ PUBLISHED = {
 MOE = ("deepseek-v3", "mixtral-8x7b", "qwen3-235b-a22b", "qwen3-30b-a3b")
 
 
+VISION = ("qwen2.5-vl-7b",)  # tests/test_plan_vision.py checks its count
+
+
 def test_bundled_list():
-    assert sorted([*PUBLISHED, *MOE]) == bundled_models()
+    assert sorted([*PUBLISHED, *MOE, *VISION]) == bundled_models()
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

@@ -26,6 +26,7 @@ from rlkit.plan.throughput import (
 )
 from rlkit.plan.topology import SCHEDULES, SHARDING, ParallelPlan
 from rlkit.plan.units import parse_bytes
+from rlkit.plan.vision import image_tokens, smart_resize
 
 __all__ = ["ModelSpec", "ParallelPlan", "SCHEDULES", "SHARDING", "as_spec", "bundled_models",
            "LoraSpec", "lora_params",
@@ -34,7 +35,8 @@ __all__ = ["ModelSpec", "ParallelPlan", "SCHEDULES", "SHARDING", "as_spec", "bun
            "rl_step_work", "phase_floors",
            "search_plans", "recommend", "Recommendation",
            "backend_memory", "estimate_memory", "explain_fit", "compare_memory", "parse_bytes", "RolloutMemory",
-           "estimate_communication", "estimate_resharding", "GenerationLayout", "BANDWIDTHS"]
+           "estimate_communication", "estimate_resharding", "GenerationLayout", "BANDWIDTHS",
+           "image_tokens", "smart_resize"]
 
 # figures are drawn by the widgets layer, which this package may not import: say where they went
 _MOVED = {"plot_timeline": "rlkit.widgets.figures", "plot_plans": "rlkit.widgets.figures"}

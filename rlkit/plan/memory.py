@@ -26,17 +26,20 @@ from rlkit.plan.sharding import (
     root_tensors,
     stage_layer_kinds,
     uneven_splits,
+    vision_tensors,
 )
 from rlkit.plan.spec import LORA_TARGETS, LoraSpec
 from rlkit.plan.units import (
     OPTIMIZERS,
     PRECISIONS,
     check_common,
+    check_vision,
     dtype_bytes,
     parse_bytes,
     positive_int,
     recompute_mode,
 )
+from rlkit.plan.vision import vision_activation_bytes
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -281,6 +284,7 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
                     rollout: Any = None, device_memory: Any = None, sequence_parallel: bool = False,
                     flash_attention: bool = True, vocab_parallel: bool = True,
                     gathered_logits: bool = False, logits_copies: int = 2, token_budget: int | None = None,
+                    image_tokens: int = 0, freeze_vision_tower: bool = False,
                     lora: Any = None, _peak_only: bool = False) -> pd.DataFrame:
     """Bytes each rank of ``plan`` holds to train ``model``: one row per rank.
 
@@ -471,6 +475,28 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
     ``lora`` (the LoraSpec), ``lora_params`` (adapter parameters of the whole model,
     :func:`~rlkit.plan.spec.lora_params`) and ``lora_targets`` (the adapted layers' short names).
 
+    **Vision-language models** (``ModelSpec.is_vision_language``: Qwen2.5-VL), as ``rlkit.parallel`` lays them
+    out: the vision tower sits on the first pipeline stage beside the embedding, whole on every TP rank (the
+    TP plan splits the decoder layers only), its tensors (``rlkit.plan.sharding.vision_tensors``) sharded by
+    FSDP2 in the stage root's unit, so it counts in ``weights``, ``grads``, ``optimizer``, ``param_buffers``
+    (the root stays gathered) and ``param_tensors`` like the embedding, with their padding.
+    ``freeze_vision_tower=True`` (the actor's and the critic's tower; a LoRA actor's is frozen anyway): its
+    weights stay, with no gradient, no optimizer state and no activations. ``image_tokens``: image tokens per
+    sequence (:func:`rlkit.plan.vision.image_tokens` of each image, summed), which are part of ``seq_len``:
+    the language model runs them as it runs text, and the trained tower keeps, on the first stage, what
+    :func:`rlkit.plan.vision.vision_activation_bytes` counts for their ``merge^2`` patches each, for every
+    micro-batch in flight there (the tower is not recomputed: ``recompute`` is the decoder layers'). A
+    ``rollout`` engine holds the tower whole on each rank (vLLM splits its blocks over its TP: an upper
+    bound there). ``df.attrs`` records ``image_tokens``, ``freeze_vision_tower`` and ``vision_params``.
+
+    >>> full = estimate_memory(ParallelPlan(dp=2), "qwen2.5-vl-7b", seq_len=1024, image_tokens=256)
+    >>> frozen = estimate_memory(ParallelPlan(dp=2), "qwen2.5-vl-7b", seq_len=1024, image_tokens=256,
+    ...                          freeze_vision_tower=True)
+    >>> int((full.grads + full.optimizer - frozen.grads - frozen.optimizer)[0]) == 12 * 676550144 // 2
+    True
+    >>> f"{(full.activations - frozen.activations)[0] / 2**30:.2f} GiB"   # the tower's, one 448 x 448 image
+    '2.03 GiB'
+
     >>> full = estimate_memory(ParallelPlan(dp=8), "llama-3-8b", precision="fp32")
     >>> adapted = estimate_memory(ParallelPlan(dp=8), "llama-3-8b", precision="fp32", lora=16)
     >>> from rlkit.plan.spec import lora_params
@@ -496,6 +522,7 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
         raise PlanError(f"roles={roles!r}: each must be one of {list(ROLES)}, once; e.g. roles=('actor', 'reference')")
     ro = RolloutMemory.coerce(rollout)
     mem = parse_bytes(device_memory) if device_memory is not None else None
+    check_vision(spec, s, image_tokens, freeze_vision_tower)
     lo = LoraSpec.coerce(lora)
     lora_layers: tuple[tuple[str, ...], ...] = ()
     if lo is not None:
@@ -548,6 +575,10 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
                  True: _moe_layer_activation_bytes(spec, s, b, tp, prec["compute"], sequence_parallel, flash_attention,
                                                    recompute, ep) if spec.is_moe else per_layer_act}
     ckpt_layer = 2 * s * b * spec.hidden_size * prec["compute"] // 2 // (tp if sequence_parallel else 1)
+    # a vision-language model's tower (first stage): its tensors, and what it saves for one micro-batch's images
+    vis_t = vision_tensors(spec)
+    vis_act = 0 if freeze_vision_tower else vision_activation_bytes(spec, image_tokens, b, prec["compute"],
+                                                                    flash_attention)
 
     # LoRA: per pipeline rank, how many of its layers carry each set of adapted linear layers, and how the
     # activations its layers save differ from full fine-tuning's (all its layers; the largest one layer's)
@@ -608,6 +639,10 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
             # what trains (grads, optimizer state) and what is stored: everything, or with LoRA (the
             # actor's) the adapters, next to the frozen base
             trained, trained_one = Shard(padded, actual, local, lay.tensors + root.tensors), one_layer.local
+            if p == 0 and vis_t and freeze_vision_tower:  # a frozen tower: stored and gathered, never trained
+                vis = rank_shard(vis_t, 1, tp, t, S, j)
+                trained = Shard(padded - vis.padded, actual - vis.actual, local - vis.local,
+                                trained.tensors - vis.tensors)
             stored_padded, stored_local, stored_one = padded, local, one_layer.local
             lora_act_all = lora_act_one = 0
             if lo is not None and role == "actor":
@@ -643,6 +678,9 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
             else:
                 stage_act = sum(n * layer_act[k] for k, n in kinds[p].items())
                 out["activations"] = chunks * (stage_act + lora_act_all) // plan.vpp
+            if p == 0 and vis_act and not (lo is not None and role == "actor"):
+                # the tower runs before virtual stage 0: one copy per micro-batch in flight there
+                out["activations"] += -(-chunks // plan.vpp) * vis_act
         if role != "critic" and p == pp - 1:
             split = vocab_parallel and not gathered_logits
             vocab_local = chunk_len(spec.vocab_size, tp, t) if split else spec.vocab_size
@@ -747,7 +785,8 @@ def estimate_memory(plan: ParallelPlan, model: Any, *, seq_len: int = 2048, micr
                     activation_checkpointing=recompute == "full",
                     rollout=ro, sequence_parallel=sequence_parallel, flash_attention=flash_attention,
                     vocab_parallel=vocab_parallel, gathered_logits=gathered_logits,
-                    logits_copies=logits_copies, lora=lo,
+                    logits_copies=logits_copies, lora=lo, image_tokens=image_tokens,
+                    freeze_vision_tower=freeze_vision_tower, vision_params=spec.vision_params,
                     lora_params=None if lo is None else lo.params(spec),
                     lora_targets=None if lo is None else tuple(n for n in LORA_TARGETS
                                                                if any(n in x for x in lora_layers)))

@@ -89,7 +89,8 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
                  recompute: str | tuple[str, ...] | None = None, activation_checkpointing: bool | None = None,
                  sequence_parallel: bool | None = None, variants: str = "best", gpu: str | dict = "H100",
                  network: str = "nvlink+ib", mfu: float | None = None, roles: tuple[str, ...] = ("actor",),
-                 flash_attention: bool = True, token_budget: int | None = None, lora: Any = None) -> pd.DataFrame:
+                 flash_attention: bool = True, token_budget: int | None = None, lora: Any = None,
+                 image_tokens: int = 0, freeze_vision_tower: bool = False) -> pd.DataFrame:
     """Every DP x TP x PP plan of ``model`` on ``gpus`` GPUs, ranked best first.
 
     Args:
@@ -122,6 +123,8 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
             The throughput estimate stays that of full fine-tuning (LoRA skips the base's weight
             gradients and reduces only the adapters' gradients, so it is a little pessimistic). With
             ``lora_dropout > 0`` plans with tp > 1 are invalid (rlkit refuses them).
+        image_tokens, freeze_vision_tower: a vision-language model's image tokens per sequence (part of
+            ``seq_len``) and whether its vision tower trains, for both estimates (see ``estimate_memory``).
 
     A mixture-of-experts model also tries expert parallelism: ``ep`` over the divisors of ``dp`` that
     divide ``num_experts`` (with full_shard / shard_grad_op; the ``ep`` column, 1 for dense models).
@@ -183,7 +186,8 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
     memory_cache: dict[tuple, int] = {}
     spans_cache: dict[tuple[int, int, int], bool] = {}
     mem_kw = dict(seq_len=seq_len, micro_batch=micro_batch, precision=precision, optimizer=optimizer, roles=roles,
-                  flash_attention=flash_attention, token_budget=token_budget, lora=lo)
+                  flash_attention=flash_attention, token_budget=token_budget, lora=lo, image_tokens=image_tokens,
+                  freeze_vision_tower=freeze_vision_tower)
     for tp in _divisors(gpus):
         for pp in _divisors(gpus // tp):
             dp = gpus // (tp * pp)
@@ -246,7 +250,9 @@ def search_plans(model: Any, gpus: int, gpus_per_node: int = 8, gpu_memory: Any 
                             est = estimate_throughput(plan, spec, seq_len=seq_len, global_batch=global_batch,
                                                       micro_batch=micro_batch, gpu=gpu, mfu=mfu, network=network,
                                                       devices_per_node=per_node, precision=precision,
-                                                      recompute=rc, sequence_parallel=sp, token_budget=token_budget)
+                                                      recompute=rc, sequence_parallel=sp, token_budget=token_budget,
+                                                      image_tokens=image_tokens,
+                                                      freeze_vision_tower=freeze_vision_tower)
                             row = {**row0, "recompute": rc, "sequence_parallel": sp, "memory_gib": peak / GIB,
                                    "fits": peak <= mem,
                                    **{k: est[k] for k in ("tokens_per_s", "tokens_per_s_per_gpu", "step_s",

@@ -136,10 +136,41 @@ def stage_layer_kinds(spec: ModelSpec, plan: ParallelPlan) -> list[dict[bool, in
     return out
 
 
+@lru_cache(maxsize=64)
+def vision_tensors(spec: ModelSpec) -> tuple[Tensor, ...]:
+    """A vision-language model's vision tower, tensor by tensor (``visual.*``, HF's names; none for a text
+    model): the Conv3d patch embedding as (hidden, patch_dim), each block's norms, ``attn.qkv``, ``attn.proj``,
+    gated MLP and their biases, the merger's ``ln_q`` and two linear layers. All replicated over TP, as
+    ``rlkit.parallel`` keeps the tower (its TP plan splits the decoder layers only), and, on the first
+    stage's root, sharded by FSDP2 with the embedding.
+
+    >>> from rlkit.plan.spec import as_spec
+    >>> t = vision_tensors(as_spec("qwen2.5-vl-7b"))
+    >>> len(t), t[0], sum(d0 * d1 for _, d0, d1, _ in t) == as_spec("qwen2.5-vl-7b").vision_params
+    (390, ('visual.patch_embed.proj', 1280, 1176, None), True)
+    """
+    if not spec.is_vision_language:
+        return ()
+    spec._check_vision()
+    h, i = spec.vision_hidden_size, spec.vision_intermediate_size
+    w, out = h * spec.vision_merge_size ** 2, spec.vision_out_hidden_size
+    tensors: list[Tensor] = [("visual.patch_embed.proj", h, spec.vision_patch_dim, None)]
+    for b in range(spec.vision_depth):
+        tensors += [(f"visual.blocks.{b}.{name}", d0, d1, None) for name, d0, d1 in (
+            ("norm1", h, 1), ("norm2", h, 1), ("attn.qkv", 3 * h, h), ("attn.qkv.bias", 3 * h, 1),
+            ("attn.proj", h, h), ("attn.proj.bias", h, 1), ("mlp.gate_proj", i, h), ("mlp.gate_proj.bias", i, 1),
+            ("mlp.up_proj", i, h), ("mlp.up_proj.bias", i, 1), ("mlp.down_proj", h, i), ("mlp.down_proj.bias", h, 1))]
+    tensors += [("visual.merger.ln_q", h, 1, None), ("visual.merger.mlp.0", w, w, None),
+                ("visual.merger.mlp.0.bias", w, 1, None), ("visual.merger.mlp.2", out, w, None),
+                ("visual.merger.mlp.2.bias", out, 1, None)]
+    return tuple(tensors)
+
+
 def root_tensors(spec: ModelSpec, pp: int, tp: int, pp_rank: int, role: str,
                  vocab_parallel: bool) -> list[Tensor]:
     """Parameters outside the decoder layers held by pipeline rank ``pp_rank`` of ``pp``: embedding
-    on the first stage; final norm and lm_head (or the critic's value head) on the last.
+    (and a vision-language model's vision tower, ``vision_tensors``) on the first stage; final norm and
+    lm_head (or the critic's value head) on the last.
 
     >>> from rlkit.plan.spec import as_spec
     >>> [name for name, *_ in root_tensors(as_spec("llama-2-7b"), 2, 1, 1, "actor", True)]
@@ -150,6 +181,7 @@ def root_tensors(spec: ModelSpec, pp: int, tp: int, pp_rank: int, role: str,
     out: list[Tensor] = []
     if pp_rank == 0:
         out.append(("embed_tokens", v, h, vdim))  # RowwiseParallel on an embedding shards the vocab
+        out += vision_tensors(spec)
     if pp_rank == pp - 1:
         out.append(("norm", h, 1, None))
         if role == "critic":

@@ -14,6 +14,18 @@ counted exactly from its ranks (``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_hea
 ``qk_rope_head_dim``, ``v_head_dim``); its multi-token-prediction module (``num_nextn_predict_layers``)
 is not counted, as the published 671B leaves it out.
 
+Vision-language models (Qwen2.5-VL: an HF config with ``vision_config`` and ``text_config``, or the
+released flat ``config.json`` with ``vision_config`` beside the language model's fields) are the language
+model above plus a vision tower, counted from transformers' ``Qwen2_5_VisionTransformerPretrainedModel``: a
+Conv3d patch embedding without bias (``in_channels x temporal_patch_size x patch_size^2 -> hidden``),
+``depth`` blocks (two RMSNorms, ``qkv`` and ``proj`` with biases, a gated MLP with biases) and a merger
+(an RMSNorm, then ``Linear(hidden m^2, hidden m^2) -> GELU -> Linear(hidden m^2, out_hidden)``, ``m`` the
+spatial merge size). ``num_params`` is both; ``language_params`` and ``vision_params`` each part.
+
+>>> vl = ModelSpec.from_name("qwen2.5-vl-7b")
+>>> vl.num_params, vl.vision_params, vl.language_params == ModelSpec.from_name("qwen2.5-7b").num_params
+(8292166656, 676550144, True)
+
 >>> q = ModelSpec.from_name("qwen3-30b-a3b")
 >>> f"{q.num_params / 1e9:.2f}B total, {q.active_params / 1e9:.2f}B active"
 '30.53B total, 3.35B active'
@@ -32,8 +44,17 @@ from typing import Any
 from rlkit.errors import PlanError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-# model types whose q/k/v projections carry a bias although their config has no attention_bias field
-_QKV_BIAS_TYPES = {"qwen2"}
+# model types whose q/k/v projections carry a bias although their config has no attention_bias field (the
+# vision-language Qwens' language models are Qwen2's: their flat configs and transformers' text_config names)
+_QKV_BIAS_TYPES = {"qwen2", "qwen2_vl", "qwen2_vl_text", "qwen2_5_vl", "qwen2_5_vl_text"}
+# vision towers the planner counts: Qwen2.5-VL's (the released config.json names it "qwen2_5_vl",
+# transformers 5's Qwen2_5_VLVisionConfig "qwen2_5_vl_vision")
+VISION_TOWERS = ("qwen2_5_vl", "qwen2_5_vl_vision")
+# transformers' Qwen2_5_VLVisionConfig defaults (configuration_qwen2_5_vl.py), which the released configs rely
+# on: Qwen2.5-VL-7B-Instruct's config.json names only hidden_size 1280, in_chans and spatial_patch_size
+_QWEN2_5_VL_VISION = dict(depth=32, hidden_size=3584, intermediate_size=3420, num_heads=16, in_channels=3,
+                          patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                          out_hidden_size=3584, fullatt_block_indexes=(7, 15, 23, 31))
 # model types with a per-head RMSNorm on q and k (q_norm, k_norm)
 _QK_NORM_TYPES = {"qwen3", "qwen3_moe"}
 
@@ -55,6 +76,33 @@ def _dense_layers(cfg: dict, layers: int, experts: int) -> tuple[int, ...]:
     freq = int(cfg.get("moe_layer_freq") or 1)
     return tuple(i for i in range(layers)
                  if i in only or (i + 1) % step or i < first_k or i % freq)
+
+
+def _vision_fields(vision: Any, outer_type: str) -> dict[str, Any]:
+    """The ``ModelSpec`` fields of a vision tower from its config (a dict or an HF config): a Qwen2.5-VL
+    tower's missing fields take transformers' defaults (as ``Qwen2_5_VLVisionConfig`` does when it loads the
+    released ``config.json``); another kind of tower keeps what its config names, and counting it raises.
+
+    >>> f = _vision_fields({"hidden_size": 1280, "in_chans": 3, "spatial_patch_size": 14}, "qwen2_5_vl")
+    >>> f["vision_depth"], f["vision_hidden_size"], f["vision_out_hidden_size"], f["vision_fullatt_blocks"]
+    (32, 1280, 3584, (7, 15, 23, 31))
+    """
+    v = vision.to_dict() if hasattr(vision, "to_dict") else dict(vision)
+    kind = str(v.get("model_type") or outer_type or "unknown")
+    if kind in VISION_TOWERS:
+        v = {**_QWEN2_5_VL_VISION, **{k: x for k, x in v.items() if x is not None}}
+
+    def get(*keys: str, default: int = 0) -> int:
+        return int(next((v[k] for k in keys if v.get(k) is not None), default))
+
+    return dict(vision_model_type=kind, vision_depth=get("depth"), vision_hidden_size=get("hidden_size", "embed_dim"),
+                vision_intermediate_size=get("intermediate_size"), vision_num_heads=get("num_heads"),
+                vision_in_channels=get("in_channels", "in_chans", default=3),
+                vision_patch_size=get("patch_size", "spatial_patch_size", default=14),
+                vision_temporal_patch_size=get("temporal_patch_size", default=2),
+                vision_merge_size=get("spatial_merge_size", default=2), vision_out_hidden_size=get("out_hidden_size"),
+                vision_window_size=get("window_size"),
+                vision_fullatt_blocks=tuple(int(i) for i in v.get("fullatt_block_indexes") or ()))
 
 
 def bundled_models() -> list[str]:
@@ -103,6 +151,22 @@ class ModelSpec:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    #: a vision-language model's vision tower ("" and 0: none), Qwen2.5-VL's (``VISION_TOWERS``), on the first
+    #: pipeline stage: its config's model_type, depth (blocks), width, MLP width, heads, input channels, patch
+    #: side (px), frames per patch, merge size (m x m patches become one image token), output width (the
+    #: language model's hidden size), attention window (px) and the blocks that attend over the whole image
+    vision_model_type: str = ""
+    vision_depth: int = 0
+    vision_hidden_size: int = 0
+    vision_intermediate_size: int = 0
+    vision_num_heads: int = 0
+    vision_in_channels: int = 3
+    vision_patch_size: int = 14
+    vision_temporal_patch_size: int = 2
+    vision_merge_size: int = 2
+    vision_out_hidden_size: int = 0
+    vision_window_size: int = 0
+    vision_fullatt_blocks: tuple[int, ...] = ()
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -116,10 +180,20 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config: Any, name: str | None = None) -> ModelSpec:
-        """From an HF ``PretrainedConfig`` or its dict (``config.json``)."""
+        """From an HF ``PretrainedConfig`` or its dict (``config.json``). A vision-language config (one with
+        ``vision_config``): the language model from ``text_config`` (or the top level, as the released flat
+        ``config.json`` has it) and the vision tower from ``vision_config``.
+
+        >>> from rlkit.models.vision import vl_config
+        >>> s = ModelSpec.from_config(vl_config())
+        >>> s.hidden_size, s.vision_depth, s.vision_hidden_size, s.vision_out_hidden_size
+        (64, 2, 32, 64)
+        """
         cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        outer = cfg
         if "text_config" in cfg and "hidden_size" not in cfg:
-            cfg = cfg["text_config"]
+            cfg = {"tie_word_embeddings": outer.get("tie_word_embeddings", False), **cfg["text_config"]}
+        vision = outer.get("vision_config")
         missing = [k for k in ("hidden_size", "num_attention_heads", "num_hidden_layers") if k not in cfg]
         if missing:
             raise PlanError(f"model config lacks {missing}; rlkit sizes decoder-only LMs with "
@@ -131,6 +205,9 @@ class ModelSpec:
         experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 0)
         mla = int(cfg.get("kv_lora_rank") or 0)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
+        tower = _vision_fields(vision, str(outer.get("model_type") or "")) if vision else {}
+        if tower and not tower["vision_out_hidden_size"]:
+            tower["vision_out_hidden_size"] = hidden
         if mla:  # q and k heads are nope + rope wide (transformers' DeepseekV3Config sets head_dim to the rope part)
             head_dim = int(cfg.get("qk_nope_head_dim") or 0) + int(cfg.get("qk_rope_head_dim") or 0)
         return cls(
@@ -161,6 +238,7 @@ class ModelSpec:
             qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 0) if mla else 0,
             qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0) if mla else 0,
             v_head_dim=int(cfg.get("v_head_dim") or 0) if mla else 0,
+            **tower,
         )
 
     @classmethod
@@ -294,13 +372,99 @@ class ModelSpec:
         return 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
 
     @property
-    def num_params(self) -> int:
-        """Unique parameters (tied weights once)."""
+    def language_params(self) -> int:
+        """The language model's unique parameters (tied weights once): embedding, decoder layers, final norm,
+        lm_head. A text model's ``num_params``."""
         if not self.is_moe:
             layers = self.num_layers * self.layer_params
         else:
             layers = sum(self.layer_params_at(i) for i in range(self.num_layers))
         return self.embedding_params + layers + self.hidden_size + self.head_params
+
+    @property
+    def num_params(self) -> int:
+        """Unique parameters (tied weights once): the language model's and a vision tower's."""
+        return self.language_params + self.vision_params
+
+    # ---- vision tower (vision-language models) -----------------------------------------------
+    @property
+    def is_vision_language(self) -> bool:
+        """The model has a vision tower (``vision_model_type`` set)."""
+        return bool(self.vision_model_type)
+
+    def _check_vision(self) -> None:
+        if self.vision_model_type not in VISION_TOWERS:
+            raise PlanError(f"{self.name}: a vision tower of type {self.vision_model_type!r} is not modelled by the "
+                            f"planner (it counts Qwen2.5-VL's, model_type in {list(VISION_TOWERS)})")
+
+    @property
+    def vision_patch_dim(self) -> int:
+        """Values of one patch: ``in_channels x temporal_patch_size x patch_size^2`` (1176 for Qwen2.5-VL)."""
+        return self.vision_in_channels * self.vision_temporal_patch_size * self.vision_patch_size ** 2
+
+    @property
+    def vision_patch_embed_params(self) -> int:
+        """The Conv3d patch embedding (no bias): ``hidden x patch_dim``."""
+        return self.vision_hidden_size * self.vision_patch_dim
+
+    @property
+    def vision_block_params(self) -> int:
+        """One vision block: two RMSNorms (weights), ``qkv`` (h -> 3h) and ``proj`` (h -> h) with biases, the
+        gated MLP (``gate_proj`` and ``up_proj`` h -> i, ``down_proj`` i -> h) with biases."""
+        h, i = self.vision_hidden_size, self.vision_intermediate_size
+        return 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (3 * h * i + 2 * i + h)
+
+    @property
+    def vision_merger_params(self) -> int:
+        """The patch merger: an RMSNorm (h), ``Linear(h m^2, h m^2)`` and ``Linear(h m^2, out_hidden)`` with biases."""
+        h, w, out = self.vision_hidden_size, self.vision_hidden_size * self.vision_merge_size ** 2, \
+            self.vision_out_hidden_size
+        return h + (w * w + w) + (w * out + out)
+
+    @property
+    def vision_params(self) -> int:
+        """The vision tower's parameters: patch embedding + ``vision_depth`` blocks + merger (0: no tower).
+
+        >>> from rlkit.models.vision import vl_config
+        >>> ModelSpec.from_config(vl_config()).vision_params     # = model.model.visual's parameters
+        83616
+        """
+        if not self.is_vision_language:
+            return 0
+        self._check_vision()
+        return self.vision_patch_embed_params + self.vision_depth * self.vision_block_params + self.vision_merger_params
+
+    def image_patches(self, image_tokens: int) -> int:
+        """Patches the vision tower runs for ``image_tokens`` image tokens: ``merge^2`` each (one frame: a
+        still image is its ``temporal_patch_size`` copies, one patch deep)."""
+        return image_tokens * self.vision_merge_size ** 2
+
+    def vision_window_patches(self) -> int:
+        """Patches in one attention window of the windowed blocks: ``(window_size / patch_size)^2``."""
+        return (self.vision_window_size // self.vision_patch_size) ** 2 if self.vision_window_size else 0
+
+    def vision_flops(self, image_tokens: int) -> int:
+        """Forward FLOPs of the vision tower on one image of ``image_tokens`` tokens (``P = image_patches``):
+        2 x its matmul parameters per patch (the merger's per merged token) plus, per block, the attention core
+        ``4 x span x hidden`` per patch (QK^T and AV), ``span`` = the patches a patch attends to: the whole
+        image in the full-attention blocks, a window (``vision_window_patches``, at most ``P``) in the others.
+
+        >>> q = ModelSpec.from_name("qwen2.5-vl-7b")
+        >>> f"{q.vision_flops(256) / 1e12:.2f} TFLOP"      # a 448 x 448 image: 1024 patches
+        '1.35 TFLOP'
+        """
+        if not self.is_vision_language or not image_tokens:
+            return 0
+        self._check_vision()
+        h, i, m2, out = (self.vision_hidden_size, self.vision_intermediate_size, self.vision_merge_size ** 2,
+                         self.vision_out_hidden_size)
+        p = self.image_patches(image_tokens)
+        matmul = p * (self.vision_patch_dim * h + self.vision_depth * (4 * h * h + 3 * h * i)) \
+            + image_tokens * ((m2 * h) ** 2 + m2 * h * out)
+        full = sum(1 for b in self.vision_fullatt_blocks if 0 <= b < self.vision_depth)
+        window = min(p, self.vision_window_patches() or p)
+        spans = full * p + (self.vision_depth - full) * window
+        return 2 * matmul + 4 * p * h * spans
 
     @property
     def active_params(self) -> int:
@@ -318,7 +482,7 @@ class ModelSpec:
     def stage_params(self, plan: Any = None, split: list[int] | None = None) -> list[int]:
         """Parameters held by each pipeline rank (all its virtual stages) of ``plan``.
 
-        The first stage holds the embedding; the last holds the final norm and lm_head. With tied
+        The first stage holds the embedding (and a vision tower); the last holds the final norm and lm_head. With tied
         embeddings and pp > 1 the last stage keeps its own copy of the embedding matrix for the
         output projection (as Megatron does), so the stages add up to more than ``num_params``.
         """
@@ -330,7 +494,7 @@ class ModelSpec:
         for s, layers in enumerate(stages):
             out[s % plan.pp] += (sum(self.layer_params_at(i) for i in layers) if self.is_moe
                                  else len(layers) * self.layer_params)
-        out[0] += self.embedding_params
+        out[0] += self.embedding_params + self.vision_params  # the vision tower runs before the first layer
         out[-1] += self.hidden_size + (self.vocab_size * self.hidden_size if (self.tie_word_embeddings and plan.pp > 1)
                                        else self.head_params)
         return out
@@ -344,7 +508,8 @@ class ModelSpec:
         return 2 * self.num_layers * self.kv_dim * dtype_bytes // tp
 
     def flops_per_token(self, seq_len: int = 0) -> int:
-        """Forward FLOPs per token: 2 x (non-embedding matmul params + lm_head) + attention scores.
+        """Forward FLOPs per token of the language model: 2 x (non-embedding matmul params + lm_head) +
+        attention scores (a vision tower's are ``vision_flops``, per image).
 
         Attention adds 2 x 2 x layers x seq_len x q_dim (QK^T and AV) at average context seq_len
         (Kaplan et al. 2020, 'Scaling Laws', Table 1; Chinchilla appendix F uses the same terms).
@@ -380,6 +545,11 @@ class ModelSpec:
             ("decoder layer (MoE)", self.layer_params_at(self.sparse_layers[0]) if n_sparse else 0, n_sparse)]
         rows = [("embedding", self.embedding_params, 1), *layers,
                 ("final norm", self.hidden_size, 1), ("lm_head", self.head_params, 1)]
+        if self.is_vision_language:
+            self._check_vision()
+            rows += [("vision patch embed", self.vision_patch_embed_params, 1),
+                     ("vision block", self.vision_block_params, self.vision_depth),
+                     ("vision merger", self.vision_merger_params, 1)]
         df = pd.DataFrame(rows, columns=["part", "params_each", "count"])
         df["params"] = df.params_each * df["count"]
         return df

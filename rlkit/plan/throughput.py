@@ -162,7 +162,8 @@ def estimate_throughput(plan: Any, model: Any, *, seq_len: int = 4096, global_ba
                         inter_node_bw: float | None = None, network: str = "nvlink+ib",
                         recompute: str | None = None, activation_checkpointing: bool | None = None,
                         sequence_parallel: bool = False, precision: str = "bf16-mixed",
-                        kernels: str = "fused", token_budget: int | None = None) -> dict[str, Any]:
+                        kernels: str = "fused", token_budget: int | None = None, image_tokens: int = 0,
+                        freeze_vision_tower: bool = False) -> dict[str, Any]:
     """Step time and tokens/s of a training step of ``plan`` on ``model`` (the model in the module
     docstring).
 
@@ -193,11 +194,19 @@ def estimate_throughput(plan: Any, model: Any, *, seq_len: int = 4096, global_ba
             one, less than a sequence per micro-batch above the real work; tokens/s and MFU count
             the ``global_batch x seq_len`` real tokens. ``global_batch`` defaults to
             ``dp x n_micro_batches x rows``. Returns also ``micro_batches`` (m) and ``micro_batch``.
+        image_tokens: a vision-language model's image tokens per sequence, part of ``seq_len`` (the language
+            model runs them as text). The vision tower runs ``ModelSpec.vision_flops`` per sequence (its image
+            tokens as one image), forward and backward (x3), or forward only with ``freeze_vision_tower``
+            (nothing in it needs a gradient), on the first pipeline stage, whole on each TP rank (it is not
+            split): ``vision_s`` a step, at the GEMM efficiency of its width over its patches per micro-batch
+            (its attention core at the same; its elementwise traffic is not counted), stretched by the bubble
+            like the rest of the first stage's compute.
 
     Returns a dict: flops_per_token (executed, recompute included), compute_s, gemm_efficiency,
     bubble, bubble_s, tp_comm_s, dp_comm_s, dp_exposed_s, pp_comm_s, ep_comm_s, step_s, tokens_per_step,
     pipeline_flushes, tokens_per_s, tokens_per_s_per_gpu, achieved_mfu (model FLOPs, 3 x forward
-    without recompute, over step time x peak x GPUs, as Megatron and torchtitan report it).
+    without recompute, over step time x peak x GPUs, as Megatron and torchtitan report it; a vision tower's
+    once per sequence), vision_s, vision_flops_per_step (the tower's model FLOPs, all sequences).
 
     >>> from rlkit.plan import ParallelPlan
     >>> r = estimate_throughput(ParallelPlan(tp=8, pp=4, dp=2, micro_batches=16, devices_per_node=8),
@@ -217,16 +226,26 @@ def estimate_throughput(plan: Any, model: Any, *, seq_len: int = 4096, global_ba
     (128, True)
     >>> estimate_throughput(plan, "llama-2-70b", token_budget=4096, **kw)["bubble"] < packed["bubble"]
     True
+
+    Qwen2.5-VL-7B on 8 H100s, a 448 x 448 image (256 tokens) in each 1024-token sequence; a frozen tower
+    runs forward only:
+
+    >>> kw = dict(seq_len=1024, global_batch=64, image_tokens=256)
+    >>> trained = estimate_throughput(ParallelPlan(dp=8), "qwen2.5-vl-7b", **kw)
+    >>> frozen = estimate_throughput(ParallelPlan(dp=8), "qwen2.5-vl-7b", freeze_vision_tower=True, **kw)
+    >>> round(trained["vision_s"] / frozen["vision_s"], 2), trained["step_s"] > frozen["step_s"]
+    (3.0, True)
     """
     from rlkit.plan.spec import as_spec
-    from rlkit.plan.units import recompute_mode
+    from rlkit.plan.units import check_vision, recompute_mode
 
     if token_budget is not None:
         return _packed_throughput(plan, model, token_budget, seq_len=seq_len, global_batch=global_batch,
                                   micro_batch=micro_batch, gpu=gpu, mfu=mfu, devices_per_node=devices_per_node,
                                   intra_node_bw=intra_node_bw, inter_node_bw=inter_node_bw, network=network,
                                   recompute=recompute, activation_checkpointing=activation_checkpointing,
-                                  sequence_parallel=sequence_parallel, precision=precision, kernels=kernels)
+                                  sequence_parallel=sequence_parallel, precision=precision, kernels=kernels,
+                                  image_tokens=image_tokens, freeze_vision_tower=freeze_vision_tower)
     spec = as_spec(model)
     recompute = recompute_mode(recompute, activation_checkpointing)
     if mfu is not None and (isinstance(mfu, bool) or not isinstance(mfu, (int, float)) or not 0 < mfu <= 1):
@@ -234,6 +253,7 @@ def estimate_throughput(plan: Any, model: Any, *, seq_len: int = 4096, global_ba
                         f"0.3-0.5 is typical for large-model training")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
         raise PlanError(f"seq_len={seq_len!r} must be a positive integer (tokens per sequence)")
+    check_vision(spec, seq_len, image_tokens, freeze_vision_tower)
     info = gpu_info(gpu)
     net = network_info(network)
     intra = intra_node_bw or net["intra_node_bw"]
@@ -277,8 +297,16 @@ def estimate_throughput(plan: Any, model: Any, *, seq_len: int = 4096, global_ba
         # every rank of a TP group streams its share for all the tokens its DP replica runs
         elementwise = tokens / plan.dp * spec.num_layers / plan.pp * per_layer / info["hbm_bw"]
         compute += elementwise
+    # a vision tower: on the first stage, each TP rank runs it whole for its replica's sequences
+    vision_fwd = spec.vision_flops(image_tokens)
+    vision_runs = 1 if freeze_vision_tower else 3
+    vision = 0.0
+    if vision_fwd:
+        e_vision = mfu if mfu is not None else gemm_efficiency(
+            info, spec.vision_hidden_size, micro_batch * spec.image_patches(image_tokens))
+        vision = global_batch / plan.dp * vision_runs * vision_fwd / (e_vision * info["bf16_flops"])
     bubble = plan.bubble_fraction()
-    busy = compute / (1 - bubble)  # fill and drain stretch the compute phase
+    busy = (compute + vision) / (1 - bubble)  # fill and drain stretch the compute phase
 
     comm = _comm_times(plan, spec, seq_len=seq_len, micro_batch=micro_batch, global_batch=global_batch,
                        precision=precision, devices_per_node=per_node, intra_node_bw=intra, inter_node_bw=inter,
@@ -286,15 +314,16 @@ def estimate_throughput(plan: Any, model: Any, *, seq_len: int = 4096, global_ba
     comm = {k: v / NCCL_EFFICIENCY for k, v in comm.items()}
     # DP collectives run per layer under forward and backward compute; the last one cannot hide
     layers_here = max(1, -(-spec.num_layers // plan.pp))
-    dp_exposed = max(comm["dp"] - compute, comm["dp"] / layers_here) if comm["dp"] else 0.0
+    dp_exposed = max(comm["dp"] - compute - vision, comm["dp"] / layers_here) if comm["dp"] else 0.0
     step = busy + comm["tp"] + dp_exposed + comm["pp"] + comm["ep"]
+    vision_model_flops = global_batch * vision_runs * vision_fwd
     return {
         "flops_per_token": matmul_runs * matmul + attention_runs * attention,
         "compute_s": compute,
         "gemm_efficiency": e_matmul,
         "elementwise_s": elementwise,
         "bubble": bubble,
-        "bubble_s": busy - compute,
+        "bubble_s": busy - compute - vision,
         "tp_comm_s": comm["tp"],
         "dp_comm_s": comm["dp"],
         "dp_exposed_s": dp_exposed,
@@ -306,7 +335,9 @@ def estimate_throughput(plan: Any, model: Any, *, seq_len: int = 4096, global_ba
         "tokens_per_s": tokens / step,
         "tokens_per_s_per_gpu": tokens / step / plan.world_size,
         # model FLOPs only (6N + attention): recompute is work the model did not need
-        "achieved_mfu": tokens * 3 * fwd / (step * peak_total),
+        "achieved_mfu": (tokens * 3 * fwd + vision_model_flops) / (step * peak_total),
+        "vision_s": vision,
+        "vision_flops_per_step": vision_model_flops,
     }
 
 
@@ -489,7 +520,7 @@ def estimate_generation(model: Any, *, gpu: str | dict = "H100", tp: int = 1, ba
                         bw_efficiency: float = 0.8, mfu: float = 0.4) -> dict[str, Any]:
     """Decode throughput of one rollout engine replica (``tp`` GPUs), for sampling RL rollouts.
 
-    Each decode step produces one token for each of ``batch`` sequences and reads every weight once
+    Each decode step produces one token for each of ``batch`` sequences and reads every language-model weight once
     plus each sequence's KV cache (average context prompt_len + response_len / 2), split over tp GPUs.
     Time per step is the larger of bytes / (HBM bandwidth x bw_efficiency) and the matmul FLOPs at
     ``peak x mfu`` (large batches turn compute bound). Prefill is ignored (it is compute bound and short).
@@ -506,7 +537,7 @@ def estimate_generation(model: Any, *, gpu: str | dict = "H100", tp: int = 1, ba
         if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name.endswith("len") else 1):
             raise PlanError(f"{name}={value!r} must be a positive integer")
     context = prompt_len + response_len / 2
-    weight_bytes = spec.num_params * dtype_bytes / tp
+    weight_bytes = spec.language_params * dtype_bytes / tp  # a vision tower runs at prefill, not per new token
     kv_bytes = batch * context * spec.kv_bytes_per_token(dtype_bytes) / tp
     t_memory = (weight_bytes + kv_bytes) / (info["hbm_bw"] * bw_efficiency)
     t_compute = batch * spec.flops_per_token(int(context)) / (tp * info["bf16_flops"] * mfu)
@@ -565,7 +596,7 @@ def rl_step_work(model: Any, *, samples: int, prompt_len: float, response_len: f
     once = fwd * samples * (prompt_len + response_len) + head * new  # a scoring forward
     steps = response_len if decode_steps is None else decode_steps
     work = {"generate": (fwd * prompts * prompt_len + head * prompts + (fwd + head) * new,
-                         steps * spec.num_params * dtype_bytes)}
+                         steps * spec.language_params * dtype_bytes)}
     if epochs > 1:
         work["old_logprobs"] = (once, 0.0)
     work["update"] = (3 * once * epochs, ADAMW_BYTES * spec.num_params * epochs)

@@ -118,3 +118,31 @@ def check_common(plan: Any, model: Any, seq_len: Any, micro_batch: Any,
     if precision not in PRECISIONS:
         raise PlanError(f"precision={precision!r} is unknown; choose one of {list(PRECISIONS)}")
     return spec, s, b
+
+
+def check_vision(spec: ModelSpec, seq_len: int, image_tokens: Any, freeze_vision_tower: Any) -> None:
+    """The vision options of the cost models, checked: ``image_tokens`` an int from 0 to ``seq_len`` (they are
+    part of the sequence), and both only for a model with a vision tower.
+
+    >>> from rlkit.plan.spec import as_spec
+    >>> check_vision(as_spec("qwen2.5-7b"), 4096, 256, False)
+    Traceback (most recent call last):
+    ...
+    rlkit.errors.PlanError: image_tokens=256 needs a vision-language model; qwen2.5-7b has no vision tower (e.g. use "qwen2.5-vl-7b")
+    """
+    if isinstance(image_tokens, bool) or not isinstance(image_tokens, int) or image_tokens < 0:
+        raise PlanError(f"image_tokens={image_tokens!r} must be an integer >= 0 (image tokens per sequence; "
+                        f"rlkit.plan.vision.image_tokens(height, width) gives an image's)")
+    if not isinstance(freeze_vision_tower, bool):
+        raise PlanError(f"freeze_vision_tower={freeze_vision_tower!r} must be True or False")
+    if not spec.is_vision_language:
+        if image_tokens:
+            raise PlanError(f"image_tokens={image_tokens} needs a vision-language model; {spec.name} has no vision "
+                            f"tower (e.g. use \"qwen2.5-vl-7b\")")
+        if freeze_vision_tower:
+            raise PlanError(f"freeze_vision_tower=True needs a vision-language model; {spec.name} has no vision tower")
+        return
+    spec._check_vision()
+    if image_tokens > seq_len:
+        raise PlanError(f"image_tokens={image_tokens} is more than seq_len={seq_len}: a sequence's image tokens are "
+                        f"part of its length; use seq_len >= {image_tokens} (text tokens + image tokens)")

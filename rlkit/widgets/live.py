@@ -28,6 +28,7 @@ steps, the view redraws less often (it never spends more than ``max_draw_share``
 
 from __future__ import annotations
 
+import base64
 import html
 import math
 import os
@@ -436,6 +437,10 @@ class LiveView:
     ``rolling``: window of the rolling reward. ``file``: where the tqdm bar writes (default stderr).
     ``workers``: a function returning the run's workers (``Cluster.table()``'s rows: node, memory, the call each
     is in, last heartbeat), shown under the curves in the widget at each redraw (``workers_html``).
+    ``samples``: a function returning the recent samples (``Trainer.samples()``'s frame); when they have images
+    (a vision-language run) the widget shows the newest with their thumbnails, completions and rewards under
+    the curves at each redraw (``samples_html``), and ``view`` as a cell's last line shows the dashboard and
+    that panel as HTML (the static fallback). Text-only samples show no panel.
 
     >>> import io
     >>> out = io.StringIO()
@@ -454,7 +459,8 @@ class LiveView:
 
     def __init__(self, total_steps: int | None = None, *, every: int = 1, rolling: int = 10, title: str = "",
                  mode: str = "auto", file: IO[str] | None = None, label: str | None = None,
-                 workers: Callable[[], pd.DataFrame] | None = None) -> None:
+                 workers: Callable[[], pd.DataFrame] | None = None,
+                 samples: Callable[[], pd.DataFrame] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"LiveView(mode={mode!r}): mode must be one of {MODES}")
         if total_steps is not None and int(total_steps) < 0:
@@ -475,6 +481,7 @@ class LiveView:
         self._drawn_at = -math.inf
         self._closed = False
         self.workers = workers
+        self.samples = samples
         self.widget: Any = None
         self._bar: Any = None
         if self.mode == "widget":
@@ -506,6 +513,15 @@ class LiveView:
 
     def _repr_png_(self) -> bytes:  # static fallback: `view` as a cell's last line shows the figure
         return self.png()
+
+    def _repr_html_(self) -> str | None:
+        """The static fallback with a sample panel: the dashboard (a PNG) and the recent samples with their
+        images; None without image samples (then the PNG alone shows, as ``_repr_png_``)."""
+        panel = self.samples_html()
+        if not panel:
+            return None
+        png = base64.b64encode(self.png()).decode("ascii")
+        return f"<img src='data:image/png;base64,{png}' style='max-width:100%'>{panel}"
 
     # -- the stream --------------------------------------------------------------------------------
     def update(self, row: dict[str, Any]) -> None:
@@ -542,6 +558,8 @@ class LiveView:
         self._image.value = figure_png(self._fig, dpi=None, tight=False)  # kept: the next redraw reuses it
         if self.workers is not None:
             self._workers.value = self.workers_html()
+        if self.samples is not None:
+            self._samples.value = self.samples_html()
         self._drawn_at = time.perf_counter()
         self.draw_s = self._drawn_at - t0
         self._drawn_rows = len(self.rows)
@@ -596,6 +614,29 @@ class LiveView:
             out.append(f"<tr style='{colour}'>" + "".join(f"<td style='padding:0 6px'>{html.escape(str(c))}</td>"
                                                           for c in cells) + "</tr>")
         return "".join(out) + "</table>"
+
+    def samples_html(self) -> str:
+        """The sample panel (``rlkit.widgets.samples.samples_panel_html``): the newest samples with their image
+        thumbnails, prompt, completion and reward. Empty without ``samples`` or when they have no images.
+
+        >>> import pandas as pd
+        >>> from PIL import Image
+        >>> from rlkit.widgets.samples import with_images
+        >>> df = with_images(pd.DataFrame({"step": [1], "prompt": ["Which?"], "completion": ["a"], "reward": [1.0]}),
+        ...                  [{"image": Image.new("RGB", (56, 56))}])
+        >>> '<img src="data:image/png;base64,' in LiveView(mode="none", samples=lambda: df).samples_html()
+        True
+        """
+        from rlkit.widgets.samples import samples_panel_html
+
+        if self.samples is None:
+            return ""
+        try:
+            df = self.samples()
+        except Exception as e:  # a view never stops the run
+            what = str(e).splitlines()[0] if str(e) else type(e).__name__
+            return f"<div style='font-size:11px;color:#b00'>samples: {html.escape(what)}</div>"
+        return samples_panel_html(df)
 
     # -- the words ---------------------------------------------------------------------------------
     def _last(self, key: str) -> float | None:
@@ -676,8 +717,10 @@ class LiveView:
         self._status = W.HTML(value=self._status_html())
         self._image = W.Image(format="png", layout=W.Layout(max_width="100%"))
         self._workers = W.HTML()  # the worker panel, under the curves when there are workers to show
+        self._samples = W.HTML()  # the sample panel: recent samples with their images (empty for text-only ones)
         self.widget = W.VBox([self._progress, self._status, self._image]
-                             + ([self._workers] if self.workers is not None else []))
+                             + ([self._workers] if self.workers is not None else [])
+                             + ([self._samples] if self.samples is not None else []))
         if in_notebook():
             # Displayed exactly once; later updates only set widget values (comm messages), so the
             # cell's output never grows and nothing waits on the frontend.
