@@ -103,7 +103,7 @@ def render_images(rows: list[dict[str, Any]], model_path: str) -> list[dict[str,
     from transformers import AutoConfig
 
     from rlkit import vision
-    from rlkit.models.vision import is_vision_language, load_processor
+    from rlkit.models.vision import encode, is_vision_language, load_processor
     from rlkit.rollout.base import ImagePrompt
 
     if not vision.has_images(rows):
@@ -129,10 +129,7 @@ def render_images(rows: list[dict[str, Any]], model_path: str) -> list[dict[str,
         if not images:
             out.append(row)
             continue
-        text = processor.apply_chat_template(list(row["prompt"]), tokenize=False, add_generation_prompt=True)
-        enc = processor(text=[text], images=images, return_tensors="pt")
-        prompt = ImagePrompt(enc["input_ids"][0].tolist(), enc["pixel_values"], enc["image_grid_thw"], text)
-        out.append({**row, "prompt": prompt})
+        out.append({**row, "prompt": ImagePrompt(*encode(processor, row["prompt"], images))})
     return out
 
 
@@ -377,9 +374,8 @@ def check_moe(config: TrainerConfig, model_path: str, rollout: Rollout) -> None:
                            f"leave {' and '.join(asked)} at 0")
 
 
-def check_vision(config: TrainerConfig, model_path: str, backend: Any, plan: ParallelPlan, rollout: Rollout,
-                 agent: Any) -> None:
-    """What a vision-language model runs with today: the torch backend, pp=1, the HF engine with Rollout(tp=1),
+def check_vision(config: TrainerConfig, model_path: str, backend: Any, rollout: Rollout, agent: Any) -> None:
+    """What a vision-language model runs with today: the torch backend, the HF engine with Rollout(tp=1),
     single-turn episodes; and ``freeze_vision=True`` needs one."""
     from transformers import AutoConfig
 
@@ -394,8 +390,6 @@ def check_vision(config: TrainerConfig, model_path: str, backend: Any, plan: Par
         return
     limits = [(getattr(backend, "name", "torch") != "torch", f"backend={getattr(backend, 'name', backend)!r}",
                "backend='torch'"),
-              (plan.pp > 1, f"pp={plan.pp} (the tower and the multimodal positions through a pipeline)",
-               "pp=1 with dp and tp"),
               (engine_name(rollout, model_path) == "vllm", "Rollout(engine='vllm')", "Rollout(engine='hf')"),
               ((rollout.tp or 1) > 1, f"Rollout(tp={rollout.tp})", "Rollout(tp=1)"),
               (agent is not None, "multi-turn episodes (tools=, environment=)", "single-turn prompts")]

@@ -136,7 +136,7 @@ class Trainer(TrainerIO):
         inputs.check_lora(self.config, self.model_path, self.plan)
         inputs.check_moe(self.config, self.model_path, self.rollout)
         self.backend = inputs.check_backend(self.config, self.plan, self.model_path, self.rollout)
-        inputs.check_vision(self.config, self.model_path, self.backend, self.plan, self.rollout, self.agent)
+        inputs.check_vision(self.config, self.model_path, self.backend, self.rollout, self.agent)
         inputs.check_off_policy(self.config, self.placement)
         inputs.check_overlong(self.config, self.agent)
         inputs.check_streaming(self.config, self.placement, self.agent)

@@ -5,6 +5,7 @@ runs GRPO on pictures end to end, with bad inputs refused in the driver."""
 
 from __future__ import annotations
 
+import math
 import shutil
 import zlib
 from pathlib import Path
@@ -97,21 +98,25 @@ def test_the_hf_engine_generates_from_images_as_generate_does(vlm):
 
 
 LAYOUTS = {"dp2-packed": ["--dp", "2", "--padding-free"], "tp2": ["--tp", "2"],
-           "dp2-lora": ["--dp", "2", "--lora", "4"], "tp2-frozen-tower": ["--tp", "2", "--freeze-vision"]}
+           "dp2-lora": ["--dp", "2", "--lora", "4"], "tp2-frozen-tower": ["--tp", "2", "--freeze-vision"],
+           "pp2": ["--pp", "2"], "pp2-packed": ["--pp", "2", "--padding-free"],
+           "dp2-pp2": ["--dp", "2", "--pp", "2"]}  # 4 ranks
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_each_layout_matches_the_single_process_model(name, tmp_path):
-    """Two ranks against transformers' own forward of the whole model (images and positions its own way):
+    """The layout's ranks against transformers' own forward of the whole model (images and positions its own way):
     log-probs, every gradient, the weights after 3 AdamW steps and the gathered weights loaded into a fresh
     model. The vision tower trains (its gradients compared), keeps its weights (frozen: no gradients, the
     weights compared unchanged), or with LoRA only the language model's adapters train. (dp=2 unpacked runs
     the same code as dp=2 packed minus the packing.)"""
     from rlkit.parallel.launch import launch
 
-    res = launch(2, [*LAYOUTS[name], "--model", "tiny-qwen2_5_vl", "--steps", "3", "--seq-len", "16"], tmp_path,
+    args = LAYOUTS[name]
+    ranks = math.prod(int(v) for k, v in zip(args, args[1:]) if k in ("--dp", "--tp", "--pp"))
+    res = launch(ranks, [*args, "--model", "tiny-qwen2_5_vl", "--steps", "3", "--seq-len", "16"], tmp_path,
                  timeout=300)
-    assert res.returncodes == [0, 0], res.log()[-3000:]
+    assert res.returncodes == [0] * ranks, res.log()[-3000:]
     r = res.report
     assert r["max_dlogprob"] < 1e-5 and r["max_dentropy"] < 1e-5
     assert r["max_dgrad"] < 1e-5 and r["max_dweight"] < 1e-5, r["max_dgrad_param"]
@@ -183,5 +188,3 @@ def test_bad_image_inputs_are_driver_errors(vlm, tmp_path):
         rlkit.Trainer(model=path, dataset=[{**rows[0], "image": str(tmp_path / "missing.png")}], **kw)
     with pytest.raises(TrainerError, match=r"freeze_vision=True keeps a vision tower fixed, but model .* text-only"):
         rlkit.Trainer(model=tiny_lm("qwen2", size="test"), dataset=rlkit.tasks.repeat, freeze_vision=True, **kw)
-    with pytest.raises(TrainerError, match=r"vision-language model; pp=2 .* is not supported for it yet; use pp=1"):
-        rlkit.Trainer(model=path, dataset=rows, plan=rlkit.ParallelPlan(pp=2), **kw)

@@ -147,6 +147,23 @@ def load_processor(path: str | os.PathLike):
     return _image_only()(image_processor=images, tokenizer=tok, chat_template=tok.chat_template)
 
 
+def encode(processor: Any, messages: list[dict], images: list) -> tuple[list[int], Any, Any, str]:
+    """A chat prompt with its images as the model reads it: ``(token ids, pixel_values, image_grid_thw,
+    rendered text)``, the assistant's turn opened; one image token per merged patch.
+
+    >>> from PIL import Image
+    >>> from rlkit.models import tiny_lm
+    >>> ids, pixels, grid, text = encode(load_processor(tiny_lm("qwen2_5_vl")),
+    ...     [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}]}],
+    ...     [Image.new("RGB", (56, 56))])
+    >>> tuple(pixels.shape), grid.tolist(), text.count("<|image_pad|>")
+    ((16, 1176), [[1, 4, 4]], 1)
+    """
+    text = processor.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    enc = processor(text=[text], images=list(images), return_tensors="pt")
+    return enc["input_ids"][0].tolist(), enc["pixel_values"], enc["image_grid_thw"], text
+
+
 def tiny_vlm(size: str = "test", seed: int = 0, *, vocab_size: int = 512, path: str | os.PathLike | None = None,
              **overrides: Any) -> str:
     """Build (once) and save a tiny random-init Qwen2.5-VL with its processor; return the folder (what
@@ -175,12 +192,17 @@ def tiny_vlm(size: str = "test", seed: int = 0, *, vocab_size: int = 512, path: 
     model.generation_config.eos_token_id = ids["<|endoftext|>"]
     with atomic.folder(out, keep_existing=lambda p: (p / "processor_config.json").exists()) as tmp:
         model.save_pretrained(tmp)
-        proc.save_pretrained(tmp)
-        # the class a real checkpoint names, so AutoProcessor (with torchvision) builds the full processor
-        meta = tmp / "processor_config.json"
-        meta.write_text(json.dumps({**json.loads(meta.read_text()), "processor_class": "Qwen2_5_VLProcessor"},
-                                   indent=2) + "\n")
+        save_processor(proc, tmp)
     return str(out)
+
+
+def save_processor(processor: Any, folder: str | os.PathLike) -> None:
+    """``processor.save_pretrained(folder)``, naming the class a real checkpoint names (``Qwen2_5_VLProcessor``),
+    so ``AutoProcessor`` (with torchvision) builds the full processor from it."""
+    processor.save_pretrained(folder)
+    meta = Path(folder) / "processor_config.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "processor_class": "Qwen2_5_VLProcessor"},
+                               indent=2) + "\n")
 
 
 def is_vision_language(config: Any) -> bool:

@@ -47,26 +47,35 @@ def make_batch(n: int, seq_len: int, vocab: int, seed: int = 0, ragged: bool = F
 
 
 def add_images(batch: dict[str, torch.Tensor], image_token_id: int, seed: int = 0, patch_dim: int = 1176,
-               grid: tuple[int, int, int] = (1, 4, 4), merge: int = 2) -> dict[str, torch.Tensor]:
+               grid: tuple[int, int, int] | list[tuple[int, int, int]] = (1, 4, 4),
+               merge: int = 2) -> dict[str, torch.Tensor]:
     """``batch`` with one image in each row's prompt, for a vision-language model: ``t*h*w / merge**2`` image
     tokens from the row's first real token on, random patches (``pixel_values``, one tensor per row) and
-    the grid (``image_grid_thw``); other tokens that happened to be the image token become text.
+    the grid (``image_grid_thw``; a list of grids: row i takes ``grid[i % len(grid)]``, or the smallest where
+    the row has too few real tokens for it, so rows' images differ in size); other tokens that happened to be
+    the image token become text.
 
     >>> b = add_images(make_batch(2, 16, 500), image_token_id=460)
     >>> b["input_ids"][0, 0:4].tolist(), [tuple(p.shape) for p in b["pixel_values"]]
     ([460, 460, 460, 460], [(16, 1176), (16, 1176)])
+    >>> two = add_images(make_batch(2, 16, 500), 460, grid=[(1, 4, 4), (1, 4, 6)])
+    >>> [tuple(p.shape) for p in two["pixel_values"]]
+    [(16, 1176), (24, 1176)]
     """
     g = torch.Generator().manual_seed(10_000 + seed)
     ids, am = batch["input_ids"].clone(), batch["attention_mask"]
     ids[ids == image_token_id] = image_token_id - 1
-    tokens = grid[0] * grid[1] * grid[2] // merge**2
+    grids = [tuple(x) for x in grid] if isinstance(grid, list) else [tuple(grid)]
+    tokens = {x: x[0] * x[1] * x[2] // merge**2 for x in grids}
+    rows = []  # each row's grid
     for i in range(ids.shape[0]):
+        want = grids[i % len(grids)]
+        rows.append(want if tokens[want] <= int(am[i].sum()) else min(grids, key=tokens.get))
         first = int(am[i].argmax())
-        ids[i, first:first + tokens] = image_token_id
-    patches = grid[0] * grid[1] * grid[2]
+        ids[i, first:first + tokens[rows[-1]]] = image_token_id
     return {**batch, "input_ids": ids,
-            "pixel_values": [torch.randn(patches, patch_dim, generator=g) for _ in range(ids.shape[0])],
-            "image_grid_thw": [torch.tensor([list(grid)]) for _ in range(ids.shape[0])]}
+            "pixel_values": [torch.randn(t * h * w, patch_dim, generator=g) for t, h, w in rows],
+            "image_grid_thw": [torch.tensor([list(r)]) for r in rows]}
 
 
 def images_of(batch: dict[str, Any]) -> dict[str, Any]:
@@ -92,8 +101,9 @@ def step_batches(ref: nn.Module, steps: int, n: int, seq_len: int, seed: int, ra
     batches = []
     for s in range(steps):
         b = make_batch(n, seq_len, ref.config.vocab_size, seed=seed + s, ragged=ragged)
-        if getattr(ref, "visual", None) is not None:  # a vision-language model: an image in every prompt
-            b = add_images(b, ref.image_token_id, seed=seed + s, grid=(1, 4, 4), merge=ref.merge)
+        if getattr(ref, "visual", None) is not None:  # a vision-language model: an image in every prompt, of two
+            # sizes (a pipeline pads each row's patches to the batch's most, and its first stage unpads them)
+            b = add_images(b, ref.image_token_id, seed=seed + s, grid=[(1, 4, 4), (1, 4, 6)], merge=ref.merge)
         if old_logprobs:
             with torch.no_grad():
                 old = reference_forward(ref, None, b)["logprobs"]

@@ -122,9 +122,6 @@ class ParallelModel:
         # a vision-language model (rlkit.models.vision.causal_view): its tower on the first stage; the image
         # token and merge size give each sample's multimodal rotary positions
         self.vision = (hf.image_token_id, hf.merge) if getattr(hf, "visual", None) is not None else None
-        if self.vision is not None and plan.pp > 1:
-            raise PlanError(f"a vision-language model under pp={plan.pp} is not supported yet (the tower and the "
-                            f"multimodal positions through a pipeline); use pp=1 with dp and tp")
         # LoRA (rlkit.parallel.lora): peft's layers go in before the split, so every layout applies to them
         self.lora = check_lora(lora, hf, tp=plan.tp, head=head)
         lora_init = {}
@@ -316,7 +313,7 @@ class ParallelModel:
         self._loss_ctx = {"loss_fn": None, "batch": batch}
         extra = {"target": torch.arange(batch_rows(batch), device=self.device)} if self.has_last else {}
         res = sched.eval(*args, attention_mask=batch["attention_mask"], labels=batch["input_ids"], **extra,
-                         **_routing(batch))
+                         **_routing(batch), **self._images(batch, per_row=True))
         self._loss_ctx = {}
         return self._share_last_stage(res, batch["input_ids"].shape)
 
@@ -366,7 +363,7 @@ class ParallelModel:
                         losses: list | None = None, batch: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
         """One pipeline schedule over packed micro-batches of equal shape: ``eval`` without a loss (the
         last stage's outputs, shared along the pipeline), ``step`` with one. ``batch``: where the packs'
-        recorded routing comes from, if any."""
+        recorded routing and images come from, if any (each packed row's images padded over every pack)."""
         ids = torch.cat([pk.input_ids for pk in packs])
         seg = torch.cat([pk.segments for pk in packs])
         labels = torch.cat([pk.labels for pk in packs])
@@ -375,6 +372,13 @@ class ParallelModel:
             extra_kw = {"routing": torch.cat([r["routing"] for r in routed])}
         else:
             extra_kw = {}
+        if self.vision is not None and batch is not None:
+            parts = [self._packed_images(pk, batch, pk.rows, per_row=True) for pk in packs]
+            extra_kw |= {k: torch.cat([p[k] for p in parts]) for k in ("position_ids", "image_mask")
+                         if k in parts[0]}
+            if "pixel_values" in parts[0]:
+                extra_kw |= _image_tensors([x for p in parts for x in p["pixel_values"]],
+                                           [x for p in parts for x in p["image_grid_thw"]], True, self.device)
         m = len(packs)
         sched = self._schedule({"input_ids": ids}, m, train=loss_fn is not None)
         args = (ids,) if self.has_first else ()
@@ -389,10 +393,11 @@ class ParallelModel:
             return {}
         return self._share_last_stage(res, ids.shape)
 
-    def _images(self, mb: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def _images(self, mb: dict[str, Any], per_row: bool = False) -> dict[str, torch.Tensor]:
         """A vision-language model's stage keywords for micro-batch ``mb``: its samples' images, joined in row
         order, and every sample's multimodal rotary positions (text-only samples too: M-RoPE's positions of
-        plain text are the usual ones on all three axes)."""
+        plain text are the usual ones on all three axes). ``per_row``: the images as per-row tensors a pipeline
+        schedule can cut into micro-batches (``_image_tensors``), there whenever ``mb`` carries images at all."""
         if self.vision is None:
             if mb.get("pixel_values") is not None:
                 raise PlanError("the batch has images (pixel_values) but the model has no vision tower")
@@ -401,29 +406,42 @@ class ParallelModel:
 
         grids = mb.get("image_grid_thw")
         out = {"position_ids": mrope_positions(mb["input_ids"], mb["attention_mask"], grids, *self.vision).transpose(0, 1)}
-        if grids is not None and sum(len(g) for g in grids):
-            out["pixel_values"] = torch.cat(list(mb["pixel_values"])).to(self.device)
-            out["image_grid_thw"] = torch.cat(list(grids)).to(self.device)
+        if grids is not None and (per_row or sum(len(g) for g in grids)):
+            out |= _image_tensors(list(mb["pixel_values"]), list(grids), per_row, self.device)
             out["image_mask"] = image_slots(mb["input_ids"], grids, *self.vision)
         return out
 
-    def _packed_images(self, pk: PackedMicroBatch, batch: dict[str, Any], rows: Any = None) -> dict[str, torch.Tensor]:
+    def _packed_images(self, pk: PackedMicroBatch, batch: dict[str, Any], rows: Any = None,
+                       per_row: bool = False) -> dict[str, Any]:
         """``_images`` laid out as the packed rows of ``pk`` (``rows``: where its rows sit in ``batch``; None: the
         batch is the micro-batch's own rows): each token keeps the positions it has in its own sequence, and the
-        images follow the order the sequences sit in the packed rows."""
+        images follow the order the sequences sit in the packed rows. ``per_row`` (a pipeline's packs, joined by
+        ``_pp_packed_call``): ``pixel_values`` / ``image_grid_thw`` are lists of each packed row's images (None: a
+        row without a sequence), there whenever ``batch`` carries images at all."""
         if self.vision is None:
             return self._images(batch)  # (a batch with images for a model without a tower: the error)
+        from rlkit.models.vision import image_slots
+
         sel = list(range(batch_rows(batch))) if rows is None else [int(r) for r in rows]
         mine = take_rows(batch, torch.tensor(sel, dtype=torch.long, device=self.device))
         flat = self._images(mine)
         out = {"position_ids": pk.pack(flat["position_ids"].transpose(1, 2)).transpose(1, 2)}
-        if "pixel_values" in flat:  # the sequences in packed order: by where their first token landed
-            first = torch.full((len(sel),), pk.input_ids.numel(), dtype=torch.long, device=pk.src.device)
-            first = first.scatter_reduce(0, pk.dst // pk.seq_len, pk.src, "amin")
-            order = first.argsort().tolist()
-            out["pixel_values"] = torch.cat([mine["pixel_values"][i] for i in order]).to(self.device)
-            out["image_grid_thw"] = torch.cat([mine["image_grid_thw"][i] for i in order]).to(self.device)
-            out["image_mask"] = pk.pack(flat["image_mask"], fill=False)
+        pixels, grids = mine.get("pixel_values"), mine.get("image_grid_thw")
+        if grids is None or not (per_row or "image_mask" in flat):
+            return out
+        # the sequences in packed order: by where their first token landed (per row: each packed row's)
+        first = torch.full((len(sel),), pk.input_ids.numel(), dtype=torch.long, device=pk.src.device)
+        first = first.scatter_reduce(0, pk.dst // pk.seq_len, pk.src, "amin")
+        order = first.argsort().tolist()
+        width = pk.input_ids.shape[1]
+        groups = [[i for i in order if int(first[i]) // width == r] for r in range(len(pk.input_ids))] \
+            if per_row else [order]
+        joined = [(torch.cat([pixels[i] for i in g]), torch.cat([grids[i] for i in g])) if g else (None, None)
+                  for g in groups]
+        out["pixel_values"], out["image_grid_thw"] = (list(x) for x in zip(*joined))
+        if not per_row:
+            out |= _image_tensors(out["pixel_values"], out["image_grid_thw"], False, self.device)
+        out["image_mask"] = pk.pack(image_slots(mine["input_ids"], grids, *self.vision), fill=False)
         return out
 
     def _as_dict(self, out) -> dict[str, torch.Tensor]:
@@ -483,7 +501,7 @@ class ParallelModel:
                 extra = {"target": torch.arange(batch_rows(batch), device=self.device), "losses": losses} \
                     if self.has_last else {}
                 sched.step(*args, attention_mask=batch["attention_mask"], labels=batch["input_ids"], **extra,
-                           **_routing(batch))
+                           **_routing(batch), **self._images(batch, per_row=True))
             self._loss_ctx = {}
             if self.has_last:  # weighted: each came back times its scale and m (see _pp_loss)
                 total += torch.stack([x.detach() for x in losses]).sum() / m
@@ -661,8 +679,8 @@ class ParallelModel:
             for name in ("embed_tokens", "norm"):
                 if getattr(st.model, name, None) is not None:
                     setattr(root.model, name, getattr(st.model, name))
-            for name in ("lm_head", "value_head"):
-                if hasattr(st, name):
+            for name in ("lm_head", "value_head", "visual"):  # (the vision tower: the first stage's)
+                if getattr(st, name, None) is not None:
                     setattr(root, name, getattr(st, name))
         return root
 
@@ -940,6 +958,27 @@ def _packed_routing(pk: PackedMicroBatch, batch: dict[str, Any], rows: Any = Non
     if r is None:
         return {}
     return {"routing": pk.pack(r if rows is None else r[rows], fill=-1)}
+
+
+def _image_tensors(pixels: list[torch.Tensor | None], grids: list[torch.Tensor | None], per_row: bool,
+                   device: torch.device) -> dict[str, torch.Tensor]:
+    """The stage's ``pixel_values`` / ``image_grid_thw`` from each row's images (None: a packed row without a
+    sequence): joined in row order, or ``per_row`` as a pipeline schedule cuts every keyword, along dim 0: each
+    row's patches padded to the most any row has, ``(B, P, D)``, and its grids to the most images, ``(B, K, 3)``,
+    with zero rows, which the first stage takes apart again inside its micro-batch (``stage.unpad_images``).
+
+    >>> kw = _image_tensors([torch.ones(4, 2), None], [torch.tensor([[1, 2, 2]]), None], True, torch.device("cpu"))
+    >>> tuple(kw["pixel_values"].shape), kw["image_grid_thw"].tolist()
+    ((2, 4, 2), [[[1, 2, 2]], [[0, 0, 0]]])
+    """
+    like = next(p for p in pixels if p is not None)
+    pixels = [like[:0] if p is None else p for p in pixels]
+    grids = [torch.zeros(0, 3, dtype=torch.long) if g is None else g.reshape(-1, 3) for g in grids]
+    if not per_row:
+        return {"pixel_values": torch.cat(pixels).to(device), "image_grid_thw": torch.cat(grids).to(device)}
+    pad = torch.nn.utils.rnn.pad_sequence
+    return {"pixel_values": pad(pixels, batch_first=True).to(device),
+            "image_grid_thw": pad(grids, batch_first=True).to(device)}
 
 
 def _one_line(e: BaseException) -> str:

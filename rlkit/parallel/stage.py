@@ -180,9 +180,9 @@ class Stage(nn.Module):
         each token, which the MoE layers replay or compare against (``rlkit.parallel.moe``).
 
         Vision-language models: ``pixel_values`` (patches, C*T*P*P) and ``image_grid_thw`` (images, 3) of the
-        micro-batch's images in token order and ``image_mask`` (B, S), the tokens they fill (first stage), and
-        ``position_ids`` (B, 3, S), the multimodal rotary positions (``rlkit.models.vision.mrope_positions``;
-        every stage)."""
+        micro-batch's images in token order, or per row as a pipeline cuts them (``unpad_images``), and
+        ``image_mask`` (B, S), the tokens they fill (first stage), and ``position_ids`` (B, 3, S), the multimodal
+        rotary positions (``rlkit.models.vision.mrope_positions``; every stage)."""
         dtype = self.compute_dtype
         with torch.autocast(x.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             return self._forward(x, attention_mask, labels, routing, pixel_values, image_grid_thw, position_ids,
@@ -194,7 +194,9 @@ class Stage(nn.Module):
                  image_mask: torch.Tensor | None = None):
         h = self.model.embed_tokens(x) if self.first else x
         if self.first and pixel_values is not None:
-            h = self._with_images(h, pixel_values, image_grid_thw, image_mask)
+            pixel_values, image_grid_thw = unpad_images(pixel_values, image_grid_thw)
+            if len(image_grid_thw):  # (a pipeline's micro-batch may hold no image)
+                h = self._with_images(h, pixel_values, image_grid_thw, image_mask)
         pos = position_ids_from_mask(attention_mask)
         mask = causal_padding_mask(attention_mask, h.dtype)
         pe = self.model.rotary_emb(h, position_ids=pos if position_ids is None else position_ids.transpose(0, 1))
@@ -214,7 +216,6 @@ class Stage(nn.Module):
         return token_logprobs(self.lm_head, h, labels, self.logprob_chunk, first=self.score_from,
                               entropy_grad=self.entropy_grad)
 
-
     def _with_images(self, h: torch.Tensor, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor,
                      slots: torch.Tensor) -> torch.Tensor:
         """The embeddings ``h`` with the vision tower's output in place of the image tokens' (``slots``), in order."""
@@ -226,6 +227,23 @@ class Stage(nn.Module):
             raise PlanError(f"{int(slots.sum())} image tokens in the micro-batch but its images make "
                             f"{feats.shape[0]}: each sample's pixel_values and image_grid_thw must match its tokens")
         return h.masked_scatter(slots[..., None], feats.to(h.dtype))
+
+
+def unpad_images(pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A micro-batch's images as the vision tower takes them, ``(patches, D)`` and ``(images, 3)`` in row order,
+    from the per-row form a pipeline schedule cuts along dim 0: each row's patches padded to ``(B, P, D)`` and
+    its grids to ``(B, K, 3)`` with zero rows (``ParallelModel._images(..., per_row=True)``). The joined form
+    passes through.
+
+    >>> pv = torch.arange(5.)[None, :, None].repeat(2, 1, 1); grids = torch.tensor([[[1, 2, 2]], [[0, 0, 0]]])
+    >>> [t.flatten().tolist() for t in unpad_images(pv, grids)]
+    [[0.0, 1.0, 2.0, 3.0], [1, 2, 2]]
+    """
+    if pixel_values.dim() == 2:
+        return pixel_values, image_grid_thw
+    patches = image_grid_thw.prod(-1).sum(-1)  # each row's
+    keep = torch.arange(pixel_values.shape[1], device=pixel_values.device)[None] < patches[:, None]
+    return pixel_values[keep], image_grid_thw[image_grid_thw.prod(-1) > 0]
 
 
 def run_layer(layer: nn.Module, h, mask, pos, pe):
