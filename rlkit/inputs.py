@@ -392,7 +392,8 @@ def check_vision(config: TrainerConfig, model_path: str, backend: Any, rollout: 
                "backend='torch'"),
               (engine_name(rollout, model_path) == "vllm", "Rollout(engine='vllm')", "Rollout(engine='hf')"),
               ((rollout.tp or 1) > 1, f"Rollout(tp={rollout.tp})", "Rollout(tp=1)"),
-              (agent is not None, "multi-turn episodes (tools=, environment=)", "single-turn prompts")]
+              (agent is not None, "multi-turn episodes (tools=, environment=)", "single-turn prompts"),
+              (config.streaming, "streaming=True", "streaming=False")]
     for hit, what, fix in limits:
         if hit:
             raise TrainerError(f"model {model_path!r} is a vision-language model; {what} is not supported for it "

@@ -91,6 +91,12 @@ def test_the_hf_engine_generates_from_images_as_generate_does(vlm):
                             do_sample=False, eos_token_id=[])
         assert batch.response_ids[2 * i].tolist() == alone[0, len(p.ids):].tolist()
         assert batch.response_ids[2 * i + 1].tolist() == batch.response_ids[2 * i].tolist()
+    assert engine.last_decode == "lean"  # rlkit's decode loop: the tower once, M-RoPE positions, a KV cache
+    # sampled: the lean loop draws what transformers' generate draws from the same seeds, at the same log-probs
+    lean = HFEngine(path, n=4, max_new_tokens=8, seed=3).generate(prompts)
+    slow = HFEngine(path, n=4, max_new_tokens=8, seed=3, hf_decode="generate").generate(prompts)
+    assert torch.equal(lean.response_ids, slow.response_ids)
+    assert (lean.response_logprobs - slow.response_logprobs).abs().max() < 1e-5
     assert [tuple(g.shape) for g in batch.pixel_values] == [(16, 1176)] * 2 + [(24, 1176)] * 2
     assert [g.tolist() for g in batch.image_grid_thw[::2]] == [[[1, 4, 4]], [[1, 4, 6]]]
     with pytest.raises(RolloutError, match="text-only model"):

@@ -30,14 +30,24 @@ True
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+VISION_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration",)  # their language model, with M-RoPE positions
 ATTENTION = ("eager", "sdpa")  # the HF attention implementations this loop reproduces
+
+
+def text_model(model: nn.Module) -> nn.Module:
+    """The causal LM a vision-language model holds (``rlkit.models.vision.causal_view``), else ``model``."""
+    if getattr(model.config, "vision_config", None) is None or not hasattr(model.model, "language_model"):
+        return model
+    from rlkit.models.vision import causal_view
+
+    return causal_view(model)
 
 
 def unsupported(model: nn.Module, total_len: int | None = None) -> str | None:
@@ -51,8 +61,9 @@ def unsupported(model: nn.Module, total_len: int | None = None) -> str | None:
     "GPT2LMHeadModel is not one of ('LlamaForCausalLM', 'Qwen2ForCausalLM', 'MistralForCausalLM')"
     """
     name = type(model).__name__
-    if name not in ARCHITECTURES:
-        return f"{name} is not one of {ARCHITECTURES}"
+    if name not in ARCHITECTURES + VISION_ARCHITECTURES:
+        return f"{name} is not one of {ARCHITECTURES + VISION_ARCHITECTURES}"
+    model = text_model(model)  # a vision-language model: its language model decodes (the tower runs once)
     cfg = model.config
     impl = getattr(cfg, "_attn_implementation", None) or "eager"
     if impl not in ATTENTION:
@@ -99,7 +110,7 @@ def _sliding_window(model: nn.Module) -> int | None:
     window = getattr(cfg, "sliding_window", None)
     if window is None:
         return None
-    if type(model).__name__ == "Qwen2ForCausalLM":
+    if type(model).__name__ in ("Qwen2ForCausalLM", "CausalView"):
         return window if "sliding_attention" in (getattr(cfg, "layer_types", None) or []) else None
     return window
 
@@ -191,9 +202,10 @@ class _Step:
         # (B, 1, 1, L): keys that exist (prompt padding does not), 0 / -inf
         self.bias = key_bias(valid[:, None, None, :], self.embed.dtype)
 
-    def __call__(self, ids: torch.Tensor, start: int, bias: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor, start: int, bias: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (B, V) float32 of the last of ``ids`` (B, T), which sit at cache slots start..start+T-1;
-        ``bias`` (B, 1, T, start+T) says which keys each new token sees (``key_bias``)."""
+        ``bias`` (B, 1, T, start+T) says which keys each new token sees (``key_bias``). ``x``: the tokens'
+        input embeddings when they are not the table's (a prompt's images in place of its image tokens)."""
         B, T = ids.shape
         end, d = start + T, self.head_dim
         cos, sin = self.cos[:, :, start:end], self.sin[:, :, start:end]
@@ -202,7 +214,7 @@ class _Step:
         q_shape = (B, self.kv_heads, self.groups, d) if T == 1 else (B, T, -1, d)
         kv_shape = (B, self.kv_heads, 1, d) if T == 1 else (B, T, -1, d)
         heads = (lambda t, shape: t.view(shape)) if T == 1 else (lambda t, shape: t.view(shape).transpose(1, 2))
-        x = F.embedding(ids, self.embed)
+        x = F.embedding(ids, self.embed) if x is None else x
         for w, (k_cache, v_cache) in zip(self.layers, self.cache):
             h = rms_norm(x, *w.ln1)
             k_cache[:, :, start:end] = rotate(heads(F.linear(h, *w.k), kv_shape), cos, sin)
@@ -273,8 +285,8 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 @torch.no_grad()
 def decode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, max_new_tokens: int,
            pick: Callable[[torch.Tensor], torch.Tensor], end_ids: Sequence[int], pad_id: int,
-           stop: Callable[[torch.Tensor], torch.Tensor] | None = None, temperature: float = 1.0
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+           stop: Callable[[torch.Tensor], torch.Tensor] | None = None, temperature: float = 1.0,
+           images: Sequence[Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """New tokens (B, T <= max_new_tokens) for a left-padded batch, as ``generate`` returns them
     (``sequences[:, P:]``), and their log-probs (B, T) float32 (``token_logprobs`` at ``temperature``).
 
@@ -283,25 +295,67 @@ def decode(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tens
     is True for it; ended rows get ``pad_id`` from then on, and the loop stops once every row has ended
     (as generate does). Only one step's logits are alive at a time. The model must pass
     ``unsupported(model, P + max_new_tokens) is None``.
+
+    A vision-language model (``VISION_ARCHITECTURES``) decodes with its language model; ``images[i]``: row i's
+    prompt images (an object with ``pixel_values`` and ``image_grid_thw``, e.g. an ``ImagePrompt``) or None.
+    The tower runs once, its output takes the image tokens' place in the prefill, and positions are M-RoPE's
+    (``rlkit.models.vision.mrope_positions``; new tokens on from each row's largest, as ``generate`` counts).
     """
+    model = text_model(model)
     device = model.model.embed_tokens.weight.device
     ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     B, P = ids.shape
     positions, valid = positions_and_keys(attention_mask, max_new_tokens)
+    image_id = getattr(model, "image_token_id", None)
+    if image_id is not None:  # M-RoPE: (3, B, P + R), and which prompt tokens each row's images fill
+        positions, slots = _vision_positions(model, ids, attention_mask, images, max_new_tokens)
     step = _Step(model, B, P + max_new_tokens, valid, positions)
     # prefill: causal over the prompt, padding keys hidden; every slot sees itself, so the outputs at
     # pad slots stay finite (no real token ever reads them)
     causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
     mask = (causal & valid[:, None, :P]) | torch.eye(P, dtype=torch.bool, device=device)
-    first, copies = distinct_rows(torch.cat([ids, attention_mask], 1))
+    # rows alike: the same tokens and, with images, the same images (a prompt's n samples share its object)
+    same_images = [] if images is None else [[next(j for j, q in enumerate(images) if q is p)] for p in images]
+    first, copies = distinct_rows(torch.cat([ids, attention_mask, torch.tensor(same_images, dtype=torch.long,
+                                                                               device=device).view(B, -1)], 1))
+    x = None if image_id is None else _embed_images(model, ids, slots, images)
     if len(first) == B:
-        logits = step(ids, 0, key_bias(mask[:, None], step.embed.dtype))
+        logits = step(ids, 0, key_bias(mask[:, None], step.embed.dtype), x)
     else:  # n samples of one prompt: its prompt is prefilled once, and its keys and values copied to each
-        once = _Step(model, len(first), P, valid[first, :P], positions[first, :P])
-        logits = once(ids[first], 0, key_bias(mask[first, None], step.embed.dtype))[copies]
+        once = _Step(model, len(first), P, valid[first, :P], positions[..., first, :P])
+        logits = once(ids[first], 0, key_bias(mask[first, None], step.embed.dtype),
+                      None if x is None else x[first])[copies]
         for (k, v), (k_once, v_once) in zip(step.cache, once.cache):
             k[:, :, :P], v[:, :, :P] = k_once[copies], v_once[copies]
     return _sample(step, logits, P, max_new_tokens, pick, end_ids, pad_id, stop, temperature)
+
+
+def _vision_positions(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, images: Sequence[Any] | None,
+                      max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A vision-language model's positions for ``decode``: the prompt's M-RoPE positions (3, B, P), then each
+    row's new tokens on from its largest prompt position (all three axes alike), and the image tokens' slots."""
+    from rlkit.models.vision import image_slots, mrope_positions
+
+    grids = [None if p is None else p.image_grid_thw for p in images] if images is not None else [None] * len(ids)
+    prompt = mrope_positions(ids, mask, grids, model.image_token_id, model.merge)
+    steps = torch.arange(1, max_new_tokens + 1, device=ids.device)
+    new = prompt.amax(dim=(0, 2))[:, None] + steps  # (B, R)
+    return torch.cat([prompt, new[None].expand(3, -1, -1)], 2), image_slots(ids, grids, model.image_token_id,
+                                                                           model.merge)
+
+
+def _embed_images(model: nn.Module, ids: torch.Tensor, slots: torch.Tensor, images: Sequence[Any] | None
+                  ) -> torch.Tensor:
+    """The prompt's input embeddings with the vision tower's output (images of every row, in order) in the
+    image tokens' place."""
+    x = F.embedding(ids, model.model.embed_tokens.weight)
+    given = [p for p in images or [] if p is not None]
+    if not given or not bool(slots.any()):
+        return x
+    visual = model.visual
+    pixels = torch.cat([p.pixel_values for p in given]).to(device=x.device, dtype=visual.patch_embed.proj.weight.dtype)
+    feats = visual(pixels, grid_thw=torch.cat([p.image_grid_thw for p in given]).to(x.device)).pooler_output
+    return x.masked_scatter(slots[..., None], feats.to(x.dtype))
 
 
 def _sample(step: _Step, logits: torch.Tensor, slot: int, max_new_tokens: int,

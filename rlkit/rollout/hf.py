@@ -1,7 +1,7 @@
 """``HFEngine``: rollouts with a transformers model -- no extra install, fine for small models and tests.
 
 Each prompt is repeated ``n`` times and the rows are left-padded into one batch (or chunks of
-``hf_batch_size`` prompts). Llama / Qwen2 / Mistral models decode with rlkit's lean loop
+``hf_batch_size`` prompts). Llama / Qwen2 / Mistral models (and Qwen2.5-VL's language model) decode with rlkit's lean loop
 (``rlkit.rollout.decode``: the same tokens and log-probs as ``generate``, at about half the time per
 step on small models); anything else, or ``Rollout(hf_decode="generate")``, runs ``model.generate``.
 Log-probs come from the raw logits (``generate``'s ``output_logits``), divided by the temperature and
@@ -392,7 +392,8 @@ class HFEngine(RolloutEngine):
                 if forced is not None:
                     sampler = _Scripted(forced[start:start + chunk], sampler)
                 kv = None
-                if keys is None or self._lean(ids, cfg) is not None:
+                # continued samples: the lean loop's kept keys and values, for text models
+                if keys is None or self._lean(ids, cfg) is not None or self.image_token_id is not None:
                     new, lp, routing = self._decode(ids, mask, cfg, sampler, temp,
                                                     None if row_images is None else row_images[start:start + chunk])
                 else:
@@ -448,7 +449,8 @@ class HFEngine(RolloutEngine):
         why = self._lean(ids, cfg)
         self.last_decode = "lean" if why is None else f"generate ({why})"
         if why is None:
-            return (*decode(self.model, ids, mask, cfg.max_new_tokens, *self._lean_ends(cfg, sampler), temp), None)
+            return (*decode(self.model, ids, mask, cfg.max_new_tokens, *self._lean_ends(cfg, sampler), temp,
+                            images=images), None)
         stopping = StoppingCriteriaList([_StopOnStrings(self.tokenizer, cfg.stop, ids.shape[1])] if cfg.stop else [])
         recorder = RoutingRecorder(self.model) if cfg.record_routing else contextlib.nullcontext()
         with recorder:
