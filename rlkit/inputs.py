@@ -122,6 +122,9 @@ def render_images(rows: list[dict[str, Any]], model_path: str) -> list[dict[str,
                            f"tokenizer files)") from None
     out = []
     for i, row in enumerate(rows):
+        if isinstance(row["prompt"], ImagePrompt):  # encoded already
+            out.append(row)
+            continue
         try:
             images = vision.row_images(row, index=i)
         except vision.ImageError as e:

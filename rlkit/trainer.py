@@ -301,6 +301,8 @@ class Trainer(TrainerIO):
             if self.agent is not None:  # rows of your own: chats (or environment rows) rendered
                 rows = [r if isinstance(r["prompt"], str) and (self.agent.environment is None or "_env_row" in r)
                         else dict(self._render([r])[0], _row=r["_row"]) for r in rows]
+            else:  # chats rendered by the template, rows with pictures encoded (text and encoded rows kept)
+                rows = self._render(rows)
         with _timer(t, "sync"):
             sync = w.sync_weights()
         # the dataset's rounds this step takes count once it trains (update); rows of your own take none
