@@ -95,8 +95,8 @@ deps:
 # notebooks: the main lane is the longer one.
 LIVE_VIEW_TEST := tests/test_browser.py::test_notebook_02_live_view_redraws_during_fit
 # Tests of the main venv that run in the side lane too, to even the lanes out (the main lane is the longer one):
-# expert parallelism's launches and its learning run, ~3.5 min.
-SIDE_TESTS := tests/test_moe_parallel.py
+# expert parallelism's launches and its learning run, ~3.5 min; vision-language GRPO's learning run, ~2 min.
+SIDE_TESTS := tests/test_moe_parallel.py tests/test_vision_learning.py
 test:
 	@log=$$(mktemp -t rlkit-test-side-XXXXXX); \
 	$(MAKE) --no-print-directory test-side > $$log 2>&1 & side=$$!; \
