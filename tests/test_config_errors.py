@@ -310,7 +310,7 @@ def test_reward_model_field(field, value, expect):
 # ---- `rlkit train` flags ---------------------------------------------------------------------------------
 TRAIN_FLAG_BAD = {
     "model": [("/nonexistent/model", "model path '/nonexistent/model' does not exist"),
-              ("tiny-gpt", "the tiny models are ['tiny-llama', 'tiny-qwen2', 'tiny-qwen3_moe']")],
+              ("tiny-gpt", "the tiny models are ['tiny-llama', 'tiny-qwen2', 'tiny-qwen3_moe', 'tiny-qwen2_5_vl']")],
     "task": [("chess", "task='chess': choose one of ['arithmetic', 'chat-arithmetic', 'repeat']")],
     "algorithm": [("dpo", "algorithm='dpo': choose one of")],
     "dp": [("0", "dp=0 must be a positive integer")],

@@ -58,7 +58,7 @@ def unsupported(model: nn.Module, total_len: int | None = None) -> str | None:
 
     >>> from transformers import GPT2Config, GPT2LMHeadModel
     >>> unsupported(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2)))
-    "GPT2LMHeadModel is not one of ('LlamaForCausalLM', 'Qwen2ForCausalLM', 'MistralForCausalLM')"
+    "GPT2LMHeadModel is not one of ('LlamaForCausalLM', 'Qwen2ForCausalLM', 'MistralForCausalLM', 'Qwen2_5_VLForConditionalGeneration')"
     """
     name = type(model).__name__
     if name not in ARCHITECTURES + VISION_ARCHITECTURES:
