@@ -213,6 +213,17 @@ class Batch:
         return f"Batch({len(self)} rows: " + ", ".join(f"{n}={s}" for n, s in shapes.items()) + ")"
 
 
+def images_of(batch: Batch | Mapping[str, Any]) -> dict[str, Any]:
+    """A vision-language model's ``pixel_values=`` / ``image_grid_thw=`` keywords for a batch (a ``Batch`` or a dict
+    of its fields); none for a text batch.
+
+    >>> images_of({"input_ids": torch.zeros(1, 2)}), list(images_of({"pixel_values": [torch.zeros(4, 6)],
+    ...                                                            "image_grid_thw": [torch.ones(1, 3)]}))
+    ({}, ['pixel_values', 'image_grid_thw'])
+    """
+    return {k: batch[k] for k in ("pixel_values", "image_grid_thw") if batch.get(k) is not None}
+
+
 # ---- the same operations on plain data: a dict of columns, a tensor / array, a list ---------------------
 def is_column(x: Any) -> bool:
     """Per-row data (cut along dim 0) rather than meta: a list / tuple, a tensor / array of one dim or more."""

@@ -18,7 +18,7 @@ from transformers import AutoModelForImageTextToText
 import rlkit
 from rlkit.errors import TrainerError
 from rlkit.models import load_processor, tiny_lm
-from rlkit.models.vision import image_slots, mrope_positions
+from rlkit.models.vision import image_token_mask, mrope_positions
 from rlkit.rollout import HFEngine, RolloutError
 from rlkit.rollout.base import ImagePrompt
 
@@ -72,7 +72,7 @@ def test_the_tiny_vlm_is_a_real_checkpoint_and_its_positions_are_transformers(vl
     # an image token the model samples after its images is text: it takes no picture's place
     ids = torch.cat([enc["input_ids"], torch.full((2, 1), hf.config.image_token_id)], 1)
     am = torch.cat([enc["attention_mask"], torch.ones(2, 1, dtype=torch.long)], 1)
-    slots = image_slots(ids, grids, hf.config.image_token_id)
+    slots = image_token_mask(ids, grids, hf.config.image_token_id)
     assert slots.sum(-1).tolist() == [4, 6] and not slots[:, -1].any()
     pos = mrope_positions(ids, am, grids, hf.config.image_token_id)
     assert torch.equal(pos[:, :, -1], pos[:, :, -2] + 1)

@@ -261,12 +261,12 @@ def mrope_positions(input_ids, attention_mask, image_grid_thw, image_token_id: i
     return out
 
 
-def image_slots(input_ids, image_grid_thw, image_token_id: int, merge: int = MERGE):
+def image_token_mask(input_ids, image_grid_thw, image_token_id: int, merge: int = MERGE):
     """``(B, S)`` bool: the tokens the images fill, each row's first ``sum(t * h * w) / merge**2`` image tokens
     (the prompt's; one the model sampled later is text).
 
     >>> import torch
-    >>> image_slots(torch.tensor([[9, 9, 9, 9, 5, 9]]), [torch.tensor([[1, 4, 4]])], 9).int().tolist()
+    >>> image_token_mask(torch.tensor([[9, 9, 9, 9, 5, 9]]), [torch.tensor([[1, 4, 4]])], 9).int().tolist()
     [[1, 1, 1, 1, 0, 0]]
     """
     import torch

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from rlkit.batch import images_of
 from rlkit.parallel.gather import full
 from rlkit.parallel.kit import load_hf, missing_members, split_rows
 from rlkit.parallel.model import ParallelModel
@@ -76,11 +77,6 @@ def add_images(batch: dict[str, torch.Tensor], image_token_id: int, seed: int = 
     return {**batch, "input_ids": ids,
             "pixel_values": [torch.randn(t * h * w, patch_dim, generator=g) for t, h, w in rows],
             "image_grid_thw": [torch.tensor([list(r)]) for r in rows]}
-
-
-def images_of(batch: dict[str, Any]) -> dict[str, Any]:
-    """A batch's ``pixel_values=`` / ``image_grid_thw=`` keywords (none for a text batch)."""
-    return {k: batch[k] for k in ("pixel_values", "image_grid_thw") if k in batch}
 
 
 def ppo_loss(out: dict[str, torch.Tensor], mb: dict[str, torch.Tensor], clip: float = 0.2,

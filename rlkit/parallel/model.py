@@ -402,13 +402,13 @@ class ParallelModel:
             if mb.get("pixel_values") is not None:
                 raise PlanError("the batch has images (pixel_values) but the model has no vision tower")
             return {}
-        from rlkit.models.vision import image_slots, mrope_positions
+        from rlkit.models.vision import image_token_mask, mrope_positions
 
         grids = mb.get("image_grid_thw")
         out = {"position_ids": mrope_positions(mb["input_ids"], mb["attention_mask"], grids, *self.vision).transpose(0, 1)}
         if grids is not None and (per_row or sum(len(g) for g in grids)):
             out |= _image_tensors(list(mb["pixel_values"]), list(grids), per_row, self.device)
-            out["image_mask"] = image_slots(mb["input_ids"], grids, *self.vision)
+            out["image_mask"] = image_token_mask(mb["input_ids"], grids, *self.vision)
         return out
 
     def _packed_images(self, pk: PackedMicroBatch, batch: dict[str, Any], rows: Any = None,
@@ -420,14 +420,14 @@ class ParallelModel:
         row without a sequence), there whenever ``batch`` carries images at all."""
         if self.vision is None:
             return self._images(batch)  # (a batch with images for a model without a tower: the error)
-        from rlkit.models.vision import image_slots
+        from rlkit.models.vision import image_token_mask, mrope_positions
 
         sel = list(range(batch_rows(batch))) if rows is None else [int(r) for r in rows]
         mine = take_rows(batch, torch.tensor(sel, dtype=torch.long, device=self.device))
-        flat = self._images(mine)
-        out = {"position_ids": pk.pack(flat["position_ids"].transpose(1, 2)).transpose(1, 2)}
         pixels, grids = mine.get("pixel_values"), mine.get("image_grid_thw")
-        if grids is None or not (per_row or "image_mask" in flat):
+        positions = mrope_positions(mine["input_ids"], mine["attention_mask"], grids, *self.vision)  # (3, n, S)
+        out = {"position_ids": pk.pack(positions.permute(1, 2, 0)).transpose(1, 2)}
+        if grids is None or not (per_row or sum(len(g) for g in grids)):
             return out
         # the sequences in packed order: by where their first token landed (per row: each packed row's)
         first = torch.full((len(sel),), pk.input_ids.numel(), dtype=torch.long, device=pk.src.device)
@@ -441,7 +441,7 @@ class ParallelModel:
         out["pixel_values"], out["image_grid_thw"] = (list(x) for x in zip(*joined))
         if not per_row:
             out |= _image_tensors(out["pixel_values"], out["image_grid_thw"], False, self.device)
-        out["image_mask"] = pk.pack(image_slots(mine["input_ids"], grids, *self.vision), fill=False)
+        out["image_mask"] = pk.pack(image_token_mask(mine["input_ids"], grids, *self.vision), fill=False)
         return out
 
     def _as_dict(self, out) -> dict[str, torch.Tensor]:

@@ -334,13 +334,13 @@ def _vision_positions(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, i
                       max_new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A vision-language model's positions for ``decode``: the prompt's M-RoPE positions (3, B, P), then each
     row's new tokens on from its largest prompt position (all three axes alike), and the image tokens' slots."""
-    from rlkit.models.vision import image_slots, mrope_positions
+    from rlkit.models.vision import image_token_mask, mrope_positions
 
     grids = [None if p is None else p.image_grid_thw for p in images] if images is not None else [None] * len(ids)
     prompt = mrope_positions(ids, mask, grids, model.image_token_id, model.merge)
     steps = torch.arange(1, max_new_tokens + 1, device=ids.device)
     new = prompt.amax(dim=(0, 2))[:, None] + steps  # (B, R)
-    return torch.cat([prompt, new[None].expand(3, -1, -1)], 2), image_slots(ids, grids, model.image_token_id,
+    return torch.cat([prompt, new[None].expand(3, -1, -1)], 2), image_token_mask(ids, grids, model.image_token_id,
                                                                            model.merge)
 
 

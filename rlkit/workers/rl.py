@@ -33,7 +33,7 @@ from rlkit.algos import call_policy_loss, entropy_bonus, kl_loss, masked_mean, v
 from rlkit.algos.offpolicy import importance_weights
 from rlkit.algos.settings import UpdateSettings
 from rlkit.backends import Backend, make_model
-from rlkit.batch import Batch
+from rlkit.batch import Batch, images_of
 from rlkit.parallel import ParallelModel
 from rlkit.parallel.groups import build_generation_groups, build_groups
 from rlkit.parallel.lora import scaling
@@ -452,12 +452,6 @@ def is_maximum(key: str) -> bool:
 def _routing_of(batch: Batch) -> dict[str, torch.Tensor]:
     """The actor's ``routing=`` for a batch with the engine's recorded routing (mixture of experts)."""
     return {} if batch.routing is None else {"routing": batch.routing}
-
-
-def images_of(batch: Batch) -> dict[str, list[torch.Tensor]]:
-    """A model's ``pixel_values=`` and ``image_grid_thw=`` for a batch with images (a vision-language model's)."""
-    return {} if batch.pixel_values is None else {"pixel_values": batch.pixel_values,
-                                                  "image_grid_thw": batch.image_grid_thw}
 
 
 def router_metrics(stats: dict[str, Any]) -> dict[str, float]:

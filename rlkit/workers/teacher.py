@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 from rlkit.backends import Backend, make_model
-from rlkit.batch import Batch
+from rlkit.batch import Batch, images_of
 from rlkit.parallel.groups import build_groups
 from rlkit.plan.topology import ParallelPlan
 from rlkit.workers.layout import SequenceLayout
-from rlkit.workers.rl import RefScored, images_of
+from rlkit.workers.rl import RefScored
 
 
 class TeacherWorker:
