@@ -25,7 +25,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # vs_trl_common, and the checkout's rlkit reward (pure Python)
-from vs_trl_common import TASK, PeakRSS, StepClock, emit, recorded_math_answer, task_worker_args  # noqa: E402
+from vs_trl_common import TASK, PeakRSS, StepClock, TRLPhases, emit, recorded_math_answer, task_worker_args  # noqa: E402
 
 CLOCK = StepClock()  # before the heavy imports: they are part of start-up
 
@@ -34,13 +34,11 @@ def main() -> None:
     args = task_worker_args()
     rss = PeakRSS().start()
     import tempfile
-    import time
 
     import torch
     import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from transformers.generation.utils import GenerationMixin
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     if args.threads:
@@ -53,41 +51,17 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     calls: list[dict] = []
     score = recorded_math_answer(calls)
-    phase: dict[str, list[list[float]]] = {k: [] for k in ("generate", "prepare", "reward", "update")}
-
-    def add(name: str, seconds: float) -> None:  # to the current step's entry
-        phase[name][-1].append(seconds)
+    phases = TRLPhases(CLOCK)
 
     def reward(prompts, completions, answer, question, completion_ids=None, **kw):
         out = score(prompts, completions, answer=answer, question=question)
-        add("reward", calls[-1]["s"])
+        phases.add("reward", calls[-1]["s"])
         if completion_ids is not None:
             CLOCK.tokens.append(sum(len(ids) for ids in completion_ids))
         return out
 
     reward.__name__ = "math_answer"
-    inner = GenerationMixin.generate
-
-    def timed_generate(self, *a, **kw):  # the time TRL spends inside HF generate, per call
-        t = time.perf_counter()
-        out = inner(self, *a, **kw)
-        add("generate", time.perf_counter() - t)
-        return out
-
-    GenerationMixin.generate = timed_generate
-    prepared: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            for v in phase.values():
-                v.append([])
-            CLOCK.begin()
-
-        def on_step_end(self, *a, **k):
-            CLOCK.end()
-            if prepared:  # the update: from the batch ready (generated, scored) to the step's end
-                add("update", CLOCK.ends[-1] - prepared.pop())
-
+    phases.time_generate()
     cfg = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-task-"), use_cpu=True, bf16=True, fp16=False,
         per_device_train_batch_size=TASK["prompts_per_step"] * TASK["n"], num_generations=TASK["n"],
@@ -96,25 +70,9 @@ def main() -> None:
         max_grad_norm=TASK["max_grad_norm"], max_steps=args.steps, logging_steps=1, save_strategy="no",
         report_to="none", dataloader_num_workers=0, seed=args.seed, gradient_checkpointing=False,
         shuffle_dataset=False)
-    trl_logs: list[dict] = []
-
-    class Logs(TrainerCallback):
-        def on_log(self, _args, _state, _control, logs=None, **k):
-            if logs:
-                trl_logs.append({key: v for key, v in logs.items() if isinstance(v, (int, float))})
-
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=tok,
-                          callbacks=[Clock(), Logs()])
-    prepare = trainer._prepare_inputs  # Trainer.training_step calls it first: generation + scoring happen in it
-
-    def timed_prepare(*a, **k):
-        t = time.perf_counter()
-        out = prepare(*a, **k)
-        prepared[:] = [time.perf_counter()]
-        add("prepare", prepared[0] - t)
-        return out
-
-    trainer._prepare_inputs = timed_prepare
+                          callbacks=phases.callbacks())
+    phases.time_prepare(trainer)
     trainer.train()
     if args.save:
         trainer.save_model(args.save)
@@ -122,21 +80,21 @@ def main() -> None:
     rss.stop()
     res = CLOCK.summary(warmup=args.warmup)
     n = len(CLOCK.ends)
-    per_step = {k: [sum(x) for x in v[:n]] for k, v in phase.items()}
+    per_step = phases.per_step()
     steps = [e - b for b, e in zip(CLOCK.begins, CLOCK.ends)]
-    phases = {k: statistics.median(v[args.warmup:]) for k, v in per_step.items() if len(v[args.warmup:]) and any(v)}
-    phases["step"] = statistics.median(steps[args.warmup:])
+    medians = phases.medians(args.warmup)
+    medians["step"] = statistics.median(steps[args.warmup:])
     per_call = len(calls) // max(n, 1) or 1  # reward calls per step (TRL: one per batch)
     res.update(side="trl", version=trl.__version__, threads=torch.get_num_threads(), peak_rss_mb=rss.peak_mb,
                warmup=args.warmup, bf16=cfg.bf16, gradient_checkpointing=cfg.gradient_checkpointing,
-               phases_median_s=phases, phases_per_step_s=per_step,
+               phases_median_s=medians, phases_per_step_s=per_step,
                reward_per_step=[statistics.mean(c["reward_mean"] for c in calls[i * per_call:(i + 1) * per_call])
                                 for i in range(n)],
                response_length_per_step=[t / (TASK["prompts_per_step"] * TASK["n"]) for t in CLOCK.tokens[:n]],
                step_s_per_step=steps,
                questions_per_step=[[q for c in calls[i * per_call:(i + 1) * per_call] for q in c["questions"]]
                                    for i in range(n)],
-               trl_logs=trl_logs)
+               trl_logs=phases.logs)
     emit(res)
 
 

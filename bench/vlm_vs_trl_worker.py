@@ -34,7 +34,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # vs_trl_common only: the TRL side never imports rlkit
-from vs_trl_common import PeakRSS, StepClock, emit  # noqa: E402
+from vs_trl_common import PeakRSS, StepClock, TRLPhases, emit  # noqa: E402
 
 CLOCK = StepClock()  # before the heavy imports: they are part of start-up
 
@@ -172,8 +172,7 @@ def run_trl(args, work, rows, order) -> dict:
     import torch
     import trl
     from datasets import Dataset
-    from transformers import AutoModelForImageTextToText, TrainerCallback
-    from transformers.generation.utils import GenerationMixin
+    from transformers import AutoModelForImageTextToText
     from trl import GRPOConfig, GRPOTrainer
 
     torch.set_num_threads(args.threads)
@@ -183,38 +182,15 @@ def run_trl(args, work, rows, order) -> dict:
     model = AutoModelForImageTextToText.from_pretrained(args.model, dtype=torch.float32)
     calls: list[dict] = []
     score = recorded(shapes_reward, calls)
-    phase: dict[str, list[list[float]]] = {k: [] for k in ("generate", "prepare", "reward", "update")}
-
-    def add(name: str, seconds: float) -> None:  # to the current step's entry
-        phase[name][-1].append(seconds)
+    phases = TRLPhases(CLOCK)
 
     def reward(*a, **kw):
         out = score(*a, **kw)
-        add("reward", calls[-1]["s"])
+        phases.add("reward", calls[-1]["s"])
         return out
 
     reward.__name__ = "shapes_reward"
-    inner = GenerationMixin.generate
-
-    def timed_generate(self, *a, **kw):  # the time TRL spends inside HF generate, per call
-        t = time.perf_counter()
-        out = inner(self, *a, **kw)
-        add("generate", time.perf_counter() - t)
-        return out
-
-    GenerationMixin.generate = timed_generate
-    prepared: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, *a, **k):
-            for v in phase.values():
-                v.append([])
-            CLOCK.begin()
-
-        def on_step_end(self, *a, **k):
-            CLOCK.end()
-            if prepared:  # the update: from the batch ready (generated, scored) to the step's end
-                add("update", CLOCK.ends[-1] - prepared.pop())
+    phases.time_generate()
 
     bf16 = args.dtype == "bf16"
     cfg = GRPOConfig(
@@ -225,37 +201,19 @@ def run_trl(args, work, rows, order) -> dict:
         max_grad_norm=work["max_grad_norm"], max_steps=args.steps, logging_steps=1, save_strategy="no",
         report_to="none", dataloader_num_workers=0, seed=args.seed, gradient_checkpointing=False,
         shuffle_dataset=False)
-    trl_logs: list[dict] = []
-
-    class Logs(TrainerCallback):
-        def on_log(self, _args, _state, _control, logs=None, **k):
-            if logs:
-                trl_logs.append({key: v for key, v in logs.items() if isinstance(v, (int, float))})
-
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data, processing_class=processor,
-                          callbacks=[Clock(), Logs()])
-    prepare = trainer._prepare_inputs  # Trainer.training_step calls it first: generation + scoring happen in it
-
-    def timed_prepare(*a, **k):
-        t = time.perf_counter()
-        out = prepare(*a, **k)
-        prepared[:] = [time.perf_counter()]
-        add("prepare", prepared[0] - t)
-        return out
-
-    trainer._prepare_inputs = timed_prepare
+                          callbacks=phases.callbacks())
+    phases.time_prepare(trainer)
     trainer.train()
     n = len(CLOCK.ends)
-    per_step = {k: [sum(x) for x in v[:n]] for k, v in phase.items()}
-    phases = {k: statistics.median(v[args.warmup:]) for k, v in per_step.items() if v[args.warmup:] and any(v)}
     per_call = len(calls) // max(n, 1) or 1  # reward calls per step (TRL: one per batch)
-    return dict(version=trl.__version__, threads=torch.get_num_threads(), phases_median_s=phases,
-                phases_per_step_s=per_step, gradient_checkpointing=cfg.gradient_checkpointing,
+    return dict(version=trl.__version__, threads=torch.get_num_threads(), phases_median_s=phases.medians(args.warmup),
+                phases_per_step_s=phases.per_step(), gradient_checkpointing=cfg.gradient_checkpointing,
                 reward_per_step=[statistics.mean(c["reward_mean"] for c in calls[i * per_call:(i + 1) * per_call])
                                  for i in range(n)],
                 response_length_per_step=[t / (work["prompts_per_step"] * work["n"]) for t in CLOCK.tokens[:n]],
                 ids_per_step=[[i for c in calls[k * per_call:(k + 1) * per_call] for i in c["ids"]] for k in range(n)],
-                trl_logs=trl_logs)
+                trl_logs=phases.logs)
 
 
 def main() -> None:

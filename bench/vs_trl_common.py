@@ -218,6 +218,87 @@ class StepClock:
                 "tokens_per_step": toks / (n - warmup)}
 
 
+class TRLPhases:
+    """Where a TRL ``GRPOTrainer`` run spends each step, on ``clock``'s steps: ``generate`` (inside HF generate),
+    ``prepare`` (``_prepare_inputs``: generation and scoring), ``reward`` (what the caller's reward function
+    ``add``s) and ``update`` (from the batch ready to the step's end); and TRL's own logged numbers (``logs``).
+
+    >>> phases = TRLPhases(StepClock())   # then: phases.time_generate(); GRPOTrainer(..., callbacks=phases.callbacks())
+    >>> phases.per_step()
+    {'generate': [], 'prepare': [], 'reward': [], 'update': []}
+    """
+
+    def __init__(self, clock: StepClock) -> None:
+        self.clock = clock
+        self.phase: dict[str, list[list[float]]] = {k: [] for k in ("generate", "prepare", "reward", "update")}
+        self.logs: list[dict] = []
+        self._prepared: list[float] = []
+
+    def add(self, name: str, seconds: float) -> None:
+        """``seconds`` of phase ``name`` in the current step."""
+        self.phase[name][-1].append(seconds)
+
+    def time_generate(self) -> None:
+        """Time every HF ``generate`` call from now on (as the ``generate`` phase)."""
+        from transformers.generation.utils import GenerationMixin
+
+        inner = GenerationMixin.generate
+
+        def timed_generate(model, *a, **kw):
+            t = time.perf_counter()
+            out = inner(model, *a, **kw)
+            self.add("generate", time.perf_counter() - t)
+            return out
+
+        GenerationMixin.generate = timed_generate
+
+    def callbacks(self) -> list:
+        """The trainer callbacks that open each step's entries, time the steps and the update, keep TRL's logs."""
+        from transformers import TrainerCallback
+
+        phases = self
+
+        class Clock(TrainerCallback):
+            def on_step_begin(self, *a, **k):
+                for v in phases.phase.values():
+                    v.append([])
+                phases.clock.begin()
+
+            def on_step_end(self, *a, **k):
+                phases.clock.end()
+                if phases._prepared:  # the update: from the batch ready (generated, scored) to the step's end
+                    phases.add("update", phases.clock.ends[-1] - phases._prepared.pop())
+
+        class Logs(TrainerCallback):
+            def on_log(self, _args, _state, _control, logs=None, **k):
+                if logs:
+                    phases.logs.append({key: v for key, v in logs.items() if isinstance(v, (int, float))})
+
+        return [Clock(), Logs()]
+
+    def time_prepare(self, trainer: Any) -> None:
+        """Time ``trainer._prepare_inputs`` (``Trainer.training_step`` calls it first: generation and scoring)."""
+        prepare = trainer._prepare_inputs
+
+        def timed_prepare(*a, **k):
+            t = time.perf_counter()
+            out = prepare(*a, **k)
+            self._prepared[:] = [time.perf_counter()]
+            self.add("prepare", self._prepared[0] - t)
+            return out
+
+        trainer._prepare_inputs = timed_prepare
+
+    def per_step(self) -> dict[str, list[float]]:
+        """Each phase's seconds per step, over the steps the clock saw end."""
+        n = len(self.clock.ends)
+        return {k: [sum(x) for x in v[:n]] for k, v in self.phase.items()}
+
+    def medians(self, warmup: int) -> dict[str, float]:
+        """Each timed phase's median seconds a step, after ``warmup`` steps."""
+        return {k: statistics.median(v[warmup:]) for k, v in self.per_step().items() if v[warmup:] and any(v)}
+
+
 def emit(result: dict[str, Any]) -> None:
     """One machine-readable line for the orchestrator (bench_vs_trl.py), with this process's own peak RSS."""
     result["driver_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
